@@ -1,0 +1,1 @@
+"""Expert-parallel communication (installed as ``flashinfer_moe.comm``)."""

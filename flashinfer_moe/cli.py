@@ -1,0 +1,153 @@
+"""The ``flashinfer-moe`` command (also ``python -m flashinfer_moe``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+from . import __version__
+
+
+def _driver_versions() -> str:
+    """The NVIDIA driver's version and the CUDA version it supports, or why they are unknown."""
+    parts = []
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            res = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            if res.returncode == 0 and res.stdout.strip():
+                parts.append(res.stdout.strip().splitlines()[0])
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    try:
+        # cuda-python is imported here only: the package must import on machines without a driver.
+        from cuda.bindings import driver  # type: ignore[import-not-found]
+
+        (err,) = driver.cuInit(0)
+        if err == driver.CUresult.CUDA_SUCCESS:
+            err, version = driver.cuDriverGetVersion()
+            if err == driver.CUresult.CUDA_SUCCESS:
+                parts.append(f"CUDA {version // 1000}.{(version % 1000) // 10}")
+        else:
+            parts.append(f"cuInit failed: {err.name}")
+    except ImportError:
+        parts.append("cuda-python not installed")
+    except Exception as exc:  # a missing libcuda surfaces as various errors depending on the version
+        parts.append(f"no driver ({type(exc).__name__}: {exc})")
+    return ", ".join(parts) if parts else "not found"
+
+
+def _format_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import jit
+
+    rows: list[tuple[str, str]] = [
+        ("flashinfer-moe", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})"),
+        ("python", platform.python_version()),
+        ("torch", f"{torch.__version__} (built for CUDA {torch.version.cuda or 'none'})"),
+        ("driver", _driver_versions()),
+    ]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            prop = torch.cuda.get_device_properties(i)
+            rows.append(
+                (
+                    f"GPU {i}",
+                    f"{prop.name}, compute capability {prop.major}.{prop.minor}, "
+                    f"{prop.multi_processor_count} SMs, {prop.total_memory / 2**30:.0f} GiB",
+                )
+            )
+    else:
+        rows.append(("GPUs", "none visible to torch"))
+    try:
+        nvcc = jit.find_nvcc()
+        rows.append(("nvcc", f"{nvcc} ({jit.nvcc_version(nvcc)})"))
+    except Exception as exc:
+        rows.append(("nvcc", f"not found ({exc})"))
+    try:
+        nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+        rows.append(("NCCL (torch)", ".".join(map(str, nccl)) if nccl else "not available"))
+    except Exception as exc:
+        rows.append(("NCCL (torch)", f"not available ({exc})"))
+    builds, size = jit.cache_size()
+    rows.append(("cache dir", f"{jit.cache_root()} ({builds} builds, {_format_bytes(size)})"))
+    rows.append(("kernels", ", ".join(sorted(jit.REGISTRY))))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}} : {value}")
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from . import jit
+
+    arch = [a.strip() for a in args.arch.split(",")] if args.arch else jit.current_arch()
+    names = args.kernel or sorted(jit.REGISTRY)
+    unknown = [n for n in names if n not in jit.REGISTRY]
+    if unknown:
+        print(f"flashinfer-moe build: unknown kernel(s) {unknown}; known: {sorted(jit.REGISTRY)}", file=sys.stderr)
+        return 2
+    for name in names:
+        start = time.perf_counter()
+        path = jit.build(jit.REGISTRY[name], arch)
+        print(f"{name}: {path} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def cmd_clear_cache(args: argparse.Namespace) -> int:
+    from . import jit
+
+    freed = jit.clear_cache()
+    print(f"cleared {jit.cache_root()} ({_format_bytes(freed)} freed)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashinfer-moe", description="flashinfer-moe: MoE kernels and expert-parallel communication"
+    )
+    parser.add_argument("--version", action="version", version=f"flashinfer-moe {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("env", help="report the package, torch, CUDA, driver, GPUs, nvcc, NCCL and kernel cache")
+    p.set_defaults(func=cmd_env)
+    p = sub.add_parser("build", help="precompile every kernel (or those named) into the cache")
+    p.add_argument("--arch", help="target(s), comma-separated, e.g. 90a; default: the visible GPUs'")
+    p.add_argument("--kernel", action="append", help="only this kernel family (repeatable)")
+    p.set_defaults(func=cmd_build)
+    p = sub.add_parser("clear-cache", help="delete every cached kernel build")
+    p.set_defaults(func=cmd_clear_cache)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import FlashInferMoEError
+
+    try:
+        return args.func(args)
+    except (FlashInferMoEError, ValueError) as exc:
+        print(f"flashinfer-moe {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

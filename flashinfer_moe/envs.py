@@ -1,0 +1,91 @@
+"""Every environment variable the library reads, parsed in one place.
+
+Values are read when asked for, not at import, so a process (or a test) may change them at run time.
+The README's table lists the same variables; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# name -> (default shown in docs, description)
+VARIABLES: dict[str, tuple[str, str]] = {
+    "FLASHINFER_MOE_CACHE_DIR": (
+        "~/.cache/flashinfer_moe",
+        "where compiled kernels are cached",
+    ),
+    "FLASHINFER_MOE_NVCC": (
+        "$CUDA_HOME/bin/nvcc, else nvcc on PATH",
+        "the CUDA compiler used by the JIT",
+    ),
+    "FLASHINFER_MOE_CUDA_ARCH": (
+        "the current GPU's (e.g. 90a)",
+        "target architecture(s) for the JIT, comma-separated, e.g. 90a or 90a,100a",
+    ),
+    "FLASHINFER_MOE_JIT_LOCK_TIMEOUT_S": (
+        "900",
+        "seconds a process waits for another one's compile of the same kernel before giving up",
+    ),
+    "FLASHINFER_MOE_JIT_VERBOSE": ("0", "1 prints the compiler's command lines and output"),
+}
+
+
+def _str(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def _float(name: str, default: float) -> float:
+    raw = _str(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {raw!r}")
+    return value
+
+
+def _bool(name: str) -> bool:
+    raw = _str(name)
+    if raw is None:
+        return False
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 0/1/true/false, got {raw!r}")
+
+
+def cache_dir() -> Path:
+    raw = _str("FLASHINFER_MOE_CACHE_DIR")
+    return Path(raw).expanduser() if raw else Path("~/.cache/flashinfer_moe").expanduser()
+
+
+def nvcc() -> str | None:
+    """The nvcc the user asked for, or None to search CUDA_HOME and PATH."""
+    return _str("FLASHINFER_MOE_NVCC")
+
+
+def cuda_arch() -> list[str] | None:
+    raw = _str("FLASHINFER_MOE_CUDA_ARCH")
+    if raw is None:
+        return None
+    return [a.strip() for a in raw.split(",") if a.strip()]
+
+
+def jit_lock_timeout_s() -> float:
+    return _float("FLASHINFER_MOE_JIT_LOCK_TIMEOUT_S", 900.0)
+
+
+def jit_verbose() -> bool:
+    return _bool("FLASHINFER_MOE_JIT_VERBOSE")
+
+
+def cuda_home() -> Path | None:
+    # Not ours to rename: CUDA_HOME / CUDA_PATH are the toolkit's own conventions.
+    raw = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    return Path(raw) if raw else None

@@ -1,0 +1,87 @@
+"""Plain-torch versions of every op: the oracle the kernels are tested against, and the CPU path.
+
+They favour clarity over speed, and fix the conventions the kernels must reproduce exactly (selection
+order, tie-breaking). Inputs are assumed validated by the public wrappers.
+
+Dimension legend: ``T`` tokens, ``E`` experts, ``G`` expert groups, ``k`` top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["route", "stable_topk_indices"]
+
+
+def stable_topk_indices(values: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices of the ``k`` largest entries along the last dimension, largest first, ties to the lower index.
+
+    Args:
+        values: `[..., N]` float.
+        k: how many to keep.
+        allowed: optional `[..., N]` bool; entries that are not allowed are ranked after every allowed one.
+
+    Returns:
+        `[..., k]` int64 indices.
+    """
+    # +0.0 folds -0.0 into +0.0 so that the two tie, as they do in the kernels' integer ordering.
+    order = torch.sort(values + 0.0, dim=-1, descending=True, stable=True).indices
+    if allowed is not None:
+        allowed_in_order = allowed.gather(-1, order).to(torch.int8)
+        regroup = torch.sort(allowed_in_order, dim=-1, descending=True, stable=True).indices
+        order = order.gather(-1, regroup)
+    return order[..., :k]
+
+
+def route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring_func: str = "softmax",
+    renormalize: bool = True,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference top-k routing; see :func:`flashinfer_moe.route` for the semantics.
+
+    Returns:
+        ``(topk_weights [T, k] float32, topk_ids [T, k] int32)``.
+    """
+    logits = router_logits.float()  # [T, E]
+    num_tokens, num_experts = logits.shape
+    if scoring_func == "softmax":
+        shifted = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+        scores = shifted / shifted.sum(dim=-1, keepdim=True)
+    elif scoring_func == "sigmoid":
+        # Spelled out (not torch.sigmoid) so that on a GPU the bits equal the kernel's 1 / (1 + exp(-x)).
+        scores = 1.0 / (1.0 + torch.exp(-logits))
+    else:
+        raise ValueError(f"scoring_func must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+
+    # Without a bias the scores are monotone in the logits: select on the logits (no rounding ties).
+    keys = logits if correction_bias is None else scores + correction_bias.float()  # [T, E]
+
+    allowed = None
+    if num_expert_group is not None and num_expert_group > 1:
+        groups = num_expert_group
+        group_size = num_experts // groups
+        grouped = keys.view(num_tokens, groups, group_size)  # [T, G, E/G]
+        if correction_bias is None or group_size < 2:
+            group_scores = grouped.amax(dim=-1)
+        else:
+            best_two = grouped.gather(-1, stable_topk_indices(grouped, 2))
+            group_scores = best_two[..., 0] + best_two[..., 1]
+        kept = stable_topk_indices(group_scores, topk_group)  # [T, topk_group]
+        group_allowed = torch.zeros(num_tokens, groups, dtype=torch.bool, device=logits.device)
+        group_allowed.scatter_(1, kept, True)
+        allowed = group_allowed.repeat_interleave(group_size, dim=1)  # [T, E]
+
+    ids = stable_topk_indices(keys, top_k, allowed)  # [T, k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if routed_scaling_factor is not None:
+        weights = weights * routed_scaling_factor
+    return weights.float(), ids.to(torch.int32)

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Runs everything that needs a GPU in one go: install, JIT compile times, the GPU test tiers and the
+# benchmarks. Logs go to the directory given as the first argument.
+#
+#   bash launch/gpu_suite.sh LOGDIR [--quick]
+set -uo pipefail
+LOG=${1:?usage: gpu_suite.sh LOGDIR [--quick]}
+QUICK=${2:-}
+mkdir -p "$LOG"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export FLASHINFER_MOE_CACHE_DIR=${FLASHINFER_MOE_CACHE_DIR:-/tmp/flashinfer_moe_cache}
+PY=${PYTHON:-python3}
+status=0
+
+step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+
+step install
+# Regular (non-editable) install: the kernels' sources are then read from the installed package.
+$PY -m pip install -q --no-deps --no-build-isolation --no-index . >"$LOG/install.log" 2>&1 || {
+  cat "$LOG/install.log"; exit 1; }
+cd /tmp  # from here on, nothing may import from the checkout by accident
+REPO=$OLDPWD
+
+step env
+flashinfer-moe env | tee "$LOG/env.txt"
+nvidia-smi topo -m >>"$LOG/env.txt" 2>&1
+
+step "jit: cold and warm builds"
+flashinfer-moe clear-cache
+{ /usr/bin/env time -f "cold build wall %e s" flashinfer-moe build 2>&1 || status=1; } | tee "$LOG/jit.txt"
+{ /usr/bin/env time -f "warm (cached) build wall %e s" flashinfer-moe build 2>&1 || status=1; } | tee -a "$LOG/jit.txt"
+# First call in a fresh process with an empty cache: what a user waits the first time.
+flashinfer-moe clear-cache >/dev/null
+$PY - <<'PYEOF' 2>&1 | tee -a "$LOG/jit.txt" || status=1
+import time, torch, flashinfer_moe
+x = torch.randn(16, 256, device="cuda")
+t0 = time.perf_counter(); flashinfer_moe.route(x, 8); torch.cuda.synchronize(); t1 = time.perf_counter()
+flashinfer_moe.route(x, 8); torch.cuda.synchronize(); t2 = time.perf_counter()
+print(f"first route() call (compile + load + run): {t1 - t0:.2f} s; second call: {(t2 - t1) * 1e3:.3f} ms")
+PYEOF
+
+step "pytest CPU tier"
+$PY -m pytest -q -p no:cacheprovider "$REPO/tests" 2>&1 | tee "$LOG/pytest_cpu.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+step "pytest -m gpu"
+$PY -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests" 2>&1 | tee "$LOG/pytest_gpu.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+step "SASS of the routing kernel (resource usage)"
+so=$(find "$FLASHINFER_MOE_CACHE_DIR" -name 'librouting.so' | head -1)
+[ -n "$so" ] && cuobjdump --dump-resource-usage "$so" 2>&1 | grep -E "Function|REG" | head -20 | tee "$LOG/sass_routing.txt"
+
+step "benchmark: routing"
+if [ "$QUICK" = "--quick" ]; then extra="--tokens 1,4096 --models deepseek_v3 --no-compile"; else extra=""; fi
+$PY "$REPO/launch/bench_routing.py" $extra --markdown "$LOG/bench_routing.md" --json "$LOG/bench_routing.json" \
+  2>&1 | tee "$LOG/bench_routing.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+step "done (status $status)"
+exit $status

@@ -1,0 +1,273 @@
+"""CPU tier for routing: the reference against hand-checked cases and properties, and the public op on CPU."""
+
+import math
+
+import pytest
+import torch
+from model_configs import MODEL_ROUTING, model_inputs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashinfer_moe
+from flashinfer_moe import reference
+
+
+def test_softmax_hand_checked():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    w, ids = reference.route(logits, 2, scoring_func="softmax", renormalize=False)
+    p = [math.exp(v) for v in (1.0, 3.0, 2.0, 0.0)]
+    total = sum(p)
+    assert ids.tolist() == [[1, 2]]
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32
+    torch.testing.assert_close(w, torch.tensor([[p[1] / total, p[2] / total]]), rtol=1e-6, atol=0)
+    w, _ = reference.route(logits, 2, scoring_func="softmax", renormalize=True)
+    torch.testing.assert_close(w, torch.tensor([[p[1] / (p[1] + p[2]), p[2] / (p[1] + p[2])]]), rtol=1e-6, atol=0)
+
+
+def test_sigmoid_llama4_hand_checked():
+    logits = torch.tensor([[-1.0, 0.5, 4.0, 0.25]])
+    w, ids = reference.route(logits, 1, scoring_func="sigmoid", renormalize=False)
+    assert ids.tolist() == [[2]]
+    torch.testing.assert_close(w, torch.tensor([[1 / (1 + math.exp(-4.0))]]), rtol=1e-6, atol=0)
+
+
+def test_grouped_bias_hand_checked():
+    # 8 experts in 4 groups of 2; sigmoid(0) = 0.5 everywhere, so the bias alone decides the selection
+    # while the weights stay the unbiased 0.5.
+    logits = torch.zeros(1, 8)
+    bias = torch.tensor([0.0, 0.1, 0.3, 0.3, 0.5, -0.4, 0.2, 0.25])
+    # group scores (sum of two best of score + bias): g0 1.1, g1 1.6, g2 1.1, g3 1.45 -> keep g1, g3
+    w, ids = reference.route(
+        logits, 3, scoring_func="sigmoid", num_expert_group=4, topk_group=2, correction_bias=bias,
+        renormalize=True, routed_scaling_factor=2.5,
+    )
+    # candidates 2 (0.8), 3 (0.8), 6 (0.7), 7 (0.75): tie 2/3 goes to the lower index
+    assert ids.tolist() == [[2, 3, 7]]
+    torch.testing.assert_close(w, torch.full((1, 3), 2.5 / 3), rtol=1e-6, atol=0)
+
+
+def test_grouped_without_bias_uses_group_max():
+    logits = torch.tensor([[5.0, -9.0, 1.0, 1.5, 4.0, 4.5]])  # groups of 2: maxes 5, 1.5, 4.5
+    _, ids = reference.route(logits, 2, num_expert_group=3, topk_group=2)
+    assert ids.tolist() == [[0, 5]]  # expert 4 (4.0) beats 1 but 0 and 5 are the two best in kept groups
+
+
+def test_ties_go_to_lower_index_and_signed_zero_ties():
+    logits = torch.tensor([[1.0, 2.0, 2.0, 2.0, -0.0, 0.0]])
+    _, ids = reference.route(logits, 4)
+    assert ids.tolist() == [[1, 2, 3, 0]]
+    _, ids = reference.route(logits[:, 4:], 2)
+    assert ids.tolist() == [[0, 1]]
+
+
+def _check_properties(logits, top_k, kwargs, w, ids):
+    """Invariants of any correct routing, checked from the fp32 scores."""
+    logits = logits.float()
+    num_tokens, num_experts = logits.shape
+    bias = kwargs.get("correction_bias")
+    if kwargs.get("scoring_func", "softmax") == "softmax":
+        scores = torch.softmax(logits.double(), -1)
+    else:
+        scores = torch.sigmoid(logits.double())
+    keys = logits.double() if bias is None else scores + bias.double()
+    assert ids.shape == (num_tokens, top_k) and w.shape == (num_tokens, top_k)
+    assert ((ids >= 0) & (ids < num_experts)).all()
+    for row in ids.tolist():
+        assert len(set(row)) == top_k, row
+    chosen = keys.gather(1, ids.long())
+    # descending selection order
+    assert (chosen[:, :-1] >= chosen[:, 1:] - 1e-6).all()
+    expected_w = scores.gather(1, ids.long())
+    if kwargs.get("renormalize", True):
+        expected_w = expected_w / expected_w.sum(-1, keepdim=True)
+    expected_w = expected_w * (kwargs.get("routed_scaling_factor") or 1.0)
+    torch.testing.assert_close(w.double(), expected_w, rtol=1e-5, atol=1e-7)
+    groups = kwargs.get("num_expert_group") or 1
+    allowed = torch.ones_like(keys, dtype=torch.bool)
+    if groups > 1:
+        gs = num_experts // groups
+        grouped = keys.view(num_tokens, groups, gs)
+        if bias is None or gs < 2:
+            gscore = grouped.amax(-1)
+        else:
+            gscore = grouped.topk(2, dim=-1).values.sum(-1)
+        used = torch.zeros(num_tokens, groups, dtype=torch.bool)
+        used.scatter_(1, (ids.long() // gs), True)
+        assert (used.sum(-1) <= kwargs["topk_group"]).all()
+        # every used group is among the topk_group best (up to rounding) ...
+        kth_best = gscore.sort(-1, descending=True).values[:, kwargs["topk_group"] - 1]
+        worst_used = torch.where(used, gscore, torch.inf).amin(-1)
+        assert (worst_used >= kth_best - 1e-6).all()
+        # ... and groups clearly above the cut were eligible
+        allowed = (gscore > kth_best.unsqueeze(1) + 1e-6).repeat_interleave(gs, dim=1)
+    # nothing left out scores better than the worst chosen one (within the eligible experts)
+    mask = allowed.clone()
+    mask.scatter_(1, ids.long(), False)
+    best_left = torch.where(mask, keys, -torch.inf).amax(-1)
+    assert (chosen[:, -1] >= best_left - 1e-6).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_tokens=st.integers(1, 9),
+    groups_and_size=st.sampled_from([(1, 8), (1, 33), (4, 4), (8, 8), (3, 5), (2, 1), (16, 2)]),
+    data=st.data(),
+)
+def test_reference_properties(num_tokens, groups_and_size, data):
+    groups, group_size = groups_and_size
+    num_experts = groups * group_size
+    scoring = data.draw(st.sampled_from(["softmax", "sigmoid"]))
+    use_bias = data.draw(st.booleans())
+    topk_group = data.draw(st.integers(1, groups))
+    top_k = data.draw(st.integers(1, min(topk_group * group_size, 16)))
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    # coarse values make exact ties common, which the properties must survive
+    logits = torch.randint(-8, 9, (num_tokens, num_experts), generator=g).float() / 4
+    kwargs = dict(
+        scoring_func=scoring,
+        renormalize=data.draw(st.booleans()),
+        routed_scaling_factor=data.draw(st.sampled_from([None, 2.5])),
+    )
+    if groups > 1:
+        kwargs.update(num_expert_group=groups, topk_group=topk_group)
+    if use_bias:
+        kwargs["correction_bias"] = torch.randint(-4, 5, (num_experts,), generator=g).float() / 16
+    w, ids = reference.route(logits, top_k, **kwargs)
+    _check_properties(logits, top_k, kwargs, w, ids)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_ROUTING))
+@pytest.mark.parametrize("num_tokens", [1, 3, 257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_models_cpu_op_matches_reference_and_properties(name, num_tokens, dtype, generator):
+    logits, top_k, kwargs = model_inputs(name, num_tokens, dtype, "cpu", generator)
+    w, ids = flashinfer_moe.route(logits, top_k, **kwargs)
+    w_ref, ids_ref = reference.route(logits, top_k, **kwargs)
+    assert torch.equal(ids, ids_ref), f"seed {generator.initial_seed()}"
+    assert torch.equal(w, w_ref), f"seed {generator.initial_seed()}"
+    _check_properties(logits, top_k, kwargs, w, ids)
+
+
+def test_out_buffers_are_written_and_returned(generator):
+    logits, top_k, kwargs = model_inputs("deepseek_v3", 5, torch.float32, "cpu", generator)
+    w_out = torch.full((5, top_k), float("nan"))
+    ids_out = torch.full((5, top_k), -7, dtype=torch.int32)
+    w, ids = flashinfer_moe.route(logits, top_k, out=(w_out, ids_out), **kwargs)
+    assert w is w_out and ids is ids_out
+    w_ref, ids_ref = reference.route(logits, top_k, **kwargs)
+    assert torch.equal(ids_out, ids_ref) and torch.equal(w_out, w_ref)
+
+
+def test_strided_rows_accepted(generator):
+    wide = torch.randn(6, 40, generator=generator)
+    logits = wide[:, 3:35]
+    w, ids = flashinfer_moe.route(logits, 4)
+    w_ref, ids_ref = reference.route(logits.contiguous(), 4)
+    assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref)
+
+
+def test_zero_tokens():
+    w, ids = flashinfer_moe.route(torch.randn(0, 16), 2)
+    assert w.shape == (0, 2) and ids.shape == (0, 2)
+
+
+def test_opcheck_cpu(generator):
+    logits, top_k, kwargs = model_inputs("deepseek_v3", 4, torch.float32, "cpu", generator)
+    args = (
+        logits,
+        kwargs["correction_bias"],
+        torch.empty(4, top_k),
+        torch.empty(4, top_k, dtype=torch.int32),
+        top_k,
+        "sigmoid",
+        True,
+        8,
+        4,
+        2.5,
+    )
+    torch.library.opcheck(torch.ops.flashinfer_moe.route_.default, args)
+
+
+BAD_INPUTS = [
+    (lambda: dict(router_logits=[[1.0]], top_k=1), TypeError, "router_logits must be a torch.Tensor"),
+    (lambda: dict(router_logits=torch.randn(8), top_k=1), ValueError, "router_logits must be 2-D"),
+    (lambda: dict(router_logits=torch.randn(2, 3, 8), top_k=1), ValueError, "got shape (2, 3, 8)"),
+    (lambda: dict(router_logits=torch.randn(2, 8).double(), top_k=1), TypeError, "got float64"),
+    (lambda: dict(router_logits=torch.randint(0, 3, (2, 8)), top_k=1), TypeError, "router_logits must have dtype"),
+    (lambda: dict(router_logits=torch.randn(8, 2).t(), top_k=1), ValueError, "last dimension"),
+    (lambda: dict(router_logits=torch.randn(2, 8), top_k=9), ValueError, "top_k must be <= 8, got 9"),
+    (lambda: dict(router_logits=torch.randn(2, 8), top_k=0), ValueError, "top_k must be >= 1, got 0"),
+    (lambda: dict(router_logits=torch.randn(2, 64), top_k=33), ValueError, "top_k must be <= 32"),
+    (lambda: dict(router_logits=torch.randn(2, 8), top_k=2.0), TypeError, "top_k must be an int"),
+    (lambda: dict(router_logits=torch.randn(2, 2048), top_k=2), ValueError, "num_experts) must be <= 1024"),
+    (lambda: dict(router_logits=torch.randn(2, 8), top_k=2, scoring_func="relu"), ValueError, "'relu'"),
+    (
+        lambda: dict(router_logits=torch.randn(2, 10), top_k=2, num_expert_group=4, topk_group=1),
+        ValueError,
+        "num_expert_group must divide the number of experts 10, got 4",
+    ),
+    (
+        lambda: dict(router_logits=torch.randn(2, 8), top_k=2, num_expert_group=4, topk_group=5),
+        ValueError,
+        "topk_group must be <= 4, got 5",
+    ),
+    (
+        lambda: dict(router_logits=torch.randn(2, 8), top_k=2, num_expert_group=4),
+        ValueError,
+        "topk_group must be given",
+    ),
+    (lambda: dict(router_logits=torch.randn(2, 8), top_k=2, topk_group=2), ValueError, "topk_group must be None"),
+    (
+        lambda: dict(router_logits=torch.randn(2, 8), top_k=5, num_expert_group=4, topk_group=2),
+        ValueError,
+        "top_k must be <= topk_group * experts per group = 4, got 5",
+    ),
+    (
+        lambda: dict(router_logits=torch.randn(2, 128), top_k=2, num_expert_group=64, topk_group=2),
+        ValueError,
+        "num_expert_group must be <= 32",
+    ),
+    (
+        lambda: dict(router_logits=torch.randn(2, 8), top_k=2, correction_bias=torch.zeros(7)),
+        ValueError,
+        "correction_bias must have shape (8,), got (7,)",
+    ),
+    (
+        lambda: dict(router_logits=torch.randn(2, 8), top_k=2, correction_bias=torch.zeros(8, dtype=torch.int64)),
+        TypeError,
+        "correction_bias must be a float tensor",
+    ),
+    (
+        lambda: dict(router_logits=torch.randn(2, 8), top_k=2, correction_bias=torch.zeros(8, device="meta")),
+        ValueError,
+        "correction_bias must be on the same device as router_logits (cpu), got meta",
+    ),
+    (
+        lambda: dict(router_logits=torch.randn(2, 8), top_k=2, routed_scaling_factor=float("inf")),
+        ValueError,
+        "routed_scaling_factor must be finite",
+    ),
+    (
+        lambda: dict(router_logits=torch.randn(2, 8), top_k=2, out=(torch.empty(2, 2), torch.empty(2, 2))),
+        TypeError,
+        "out[1] (topk_ids) must be torch.int32",
+    ),
+    (
+        lambda: dict(
+            router_logits=torch.randn(2, 8), top_k=2, out=(torch.empty(2, 3), torch.empty(2, 2, dtype=torch.int32))
+        ),
+        ValueError,
+        "out[0] (topk_weights) must have shape (2, 2), got (2, 3)",
+    ),
+]
+
+
+@pytest.mark.parametrize("make, exc, message", BAD_INPUTS)
+def test_bad_input(make, exc, message):
+    kwargs = make()
+    logits = kwargs.pop("router_logits")
+    top_k = kwargs.pop("top_k")
+    with pytest.raises(exc) as info:
+        flashinfer_moe.route(logits, top_k, **kwargs)
+    assert message in str(info.value)
