@@ -40,6 +40,4 @@ def integer(name: str, value: object, low: int | None = None, high: int | None =
 
 def unit_last_stride(name: str, t: torch.Tensor) -> None:
     if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must be contiguous in its last dimension (stride 1), got strides {tuple(t.stride())}"
-        )
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {tuple(t.stride())}")

@@ -102,10 +102,10 @@ def main() -> int:
             w_ref, ids_ref = reference.route(logits, top_k, **kwargs)
             assert torch.equal(ids, ids_ref), f"{name} T={num_tokens}: kernel ids differ from the reference"
 
-            def kernel():
+            def kernel(logits=logits, top_k=top_k, out=out, kwargs=kwargs):
                 flashinfer_moe.route(logits, top_k, out=out, **kwargs)
 
-            def ref():
+            def ref(logits=logits, top_k=top_k, kwargs=kwargs):
                 reference.route(logits, top_k, **kwargs)
 
             k_graph = time_graph(kernel)
@@ -122,15 +122,24 @@ def main() -> int:
                 compiled_ref(logits, top_k, **kwargs)
                 torch.cuda.synchronize()
                 compile_s = time.perf_counter() - t0
-                r_comp = time_eager(lambda: compiled_ref(logits, top_k, **kwargs), calls=20)
+                r_comp = time_eager(lambda: compiled_ref(logits, top_k, **kwargs), calls=20)  # noqa: B023
             else:
                 compile_s = float("nan")
             num_experts = logits.shape[1]
             row = dict(
-                model=name, tokens=num_tokens, experts=num_experts, top_k=top_k, dtype=args.dtype,
-                kernel_graph_us=k_graph, kernel_eager_us=k_eager, torch_eager_us=r_eager,
-                torch_graph_us=r_graph, torch_compile_us=r_comp, torch_compile_first_call_s=compile_s,
-                eager_over_kernel_eager=r_eager / k_eager, graph_over_graph=r_graph / k_graph,
+                model=name,
+                tokens=num_tokens,
+                experts=num_experts,
+                top_k=top_k,
+                dtype=args.dtype,
+                kernel_graph_us=k_graph,
+                kernel_eager_us=k_eager,
+                torch_eager_us=r_eager,
+                torch_graph_us=r_graph,
+                torch_compile_us=r_comp,
+                torch_compile_first_call_s=compile_s,
+                eager_over_kernel_eager=r_eager / k_eager,
+                graph_over_graph=r_graph / k_graph,
             )
             rows.append(row)
             print(

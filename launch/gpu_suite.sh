@@ -18,8 +18,9 @@ step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
 
 step install
 # Regular (non-editable) install: the kernels' sources are then read from the installed package.
-$PY -m pip install -q --no-deps --no-build-isolation --no-index . >"$LOG/install.log" 2>&1 || {
-  cat "$LOG/install.log"; exit 1; }
+# WHEEL=path installs a wheel built elsewhere (machines that cannot build one); else build from the checkout.
+$PY -m pip install -q --no-deps --no-build-isolation --no-index --force-reinstall "${WHEEL:-.}" \
+  >"$LOG/install.log" 2>&1 || { cat "$LOG/install.log"; exit 1; }
 cd /tmp  # from here on, nothing may import from the checkout by accident
 REPO=$OLDPWD
 
@@ -29,8 +30,10 @@ nvidia-smi topo -m >>"$LOG/env.txt" 2>&1
 
 step "jit: cold and warm builds"
 flashinfer-moe clear-cache
-{ /usr/bin/env time -f "cold build wall %e s" flashinfer-moe build 2>&1 || status=1; } | tee "$LOG/jit.txt"
-{ /usr/bin/env time -f "warm (cached) build wall %e s" flashinfer-moe build 2>&1 || status=1; } | tee -a "$LOG/jit.txt"
+TIMEFORMAT="cold build: %R s wall"
+{ time flashinfer-moe build; } 2>&1 | tee "$LOG/jit.txt"
+TIMEFORMAT="warm (cached) build: %R s wall"
+{ time flashinfer-moe build; } 2>&1 | tee -a "$LOG/jit.txt"
 # First call in a fresh process with an empty cache: what a user waits the first time.
 flashinfer-moe clear-cache >/dev/null
 $PY - <<'PYEOF' 2>&1 | tee -a "$LOG/jit.txt" || status=1
@@ -51,7 +54,7 @@ $PY -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests" 2>&1 | tee "$LOG/pytes
 
 step "SASS of the routing kernel (resource usage)"
 so=$(find "$FLASHINFER_MOE_CACHE_DIR" -name 'librouting.so' | head -1)
-[ -n "$so" ] && cuobjdump --dump-resource-usage "$so" 2>&1 | grep -E "Function|REG" | head -20 | tee "$LOG/sass_routing.txt"
+[ -n "$so" ] && cuobjdump --dump-resource-usage "$so" 2>&1 | grep -E "Function|REG" | head -20 | tee -a "$LOG/jit.txt"
 
 step "benchmark: routing"
 if [ "$QUICK" = "--quick" ]; then extra="--tokens 1,4096 --models deepseek_v3 --no-compile"; else extra=""; fi

@@ -151,9 +151,7 @@ def route(
         kept_groups = _checks.integer("topk_group", topk_group, 1, groups)
         eligible = kept_groups * (num_experts // groups)
         if top_k > eligible:
-            raise ValueError(
-                f"top_k must be <= topk_group * experts per group = {eligible}, got {top_k}"
-            )
+            raise ValueError(f"top_k must be <= topk_group * experts per group = {eligible}, got {top_k}")
 
     bias = None
     if correction_bias is not None:

@@ -3,6 +3,7 @@ import os
 import pytest
 import torch
 
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

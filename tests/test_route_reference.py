@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
-from model_configs import MODEL_ROUTING, model_inputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_configs import MODEL_ROUTING, model_inputs
 
 import flashinfer_moe
 from flashinfer_moe import reference
@@ -38,8 +38,14 @@ def test_grouped_bias_hand_checked():
     bias = torch.tensor([0.0, 0.1, 0.3, 0.3, 0.5, -0.4, 0.2, 0.25])
     # group scores (sum of two best of score + bias): g0 1.1, g1 1.6, g2 1.1, g3 1.45 -> keep g1, g3
     w, ids = reference.route(
-        logits, 3, scoring_func="sigmoid", num_expert_group=4, topk_group=2, correction_bias=bias,
-        renormalize=True, routed_scaling_factor=2.5,
+        logits,
+        3,
+        scoring_func="sigmoid",
+        num_expert_group=4,
+        topk_group=2,
+        correction_bias=bias,
+        renormalize=True,
+        routed_scaling_factor=2.5,
     )
     # candidates 2 (0.8), 3 (0.8), 6 (0.7), 7 (0.75): tie 2/3 goes to the lower index
     assert ids.tolist() == [[2, 3, 7]]

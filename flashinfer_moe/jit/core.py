@@ -1,0 +1,507 @@
+"""Compile the CUDA sources in ``csrc/`` on first use and cache the shared libraries.
+
+A ``KernelSpec`` is a few ``.cu`` files that nvcc turns into one ``lib<name>.so`` of ``extern "C"``
+launchers, loaded with ctypes. A build is keyed by a hash of everything that can change the binary, lives
+in ``<cache_root>/<name>/<key>/`` and is published by an atomic rename, so nobody sees half a build; a
+per-key lock file lets one process (one torchrun rank) compile while the others wait for its result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from .. import envs
+from .._version import __version__
+from ..errors import JitError
+
+logger = logging.getLogger("flashinfer_moe.jit")
+
+_RECIPE = "1"  # bump when the build procedure changes in a way the hashed inputs do not show
+_DEFAULT_NVCC = "/usr/local/cuda/bin/nvcc"
+_ARCH_RE = re.compile(r"^\d{2,3}[af]?$")
+_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+_BASE_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", "-lineinfo")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel family, compiled into ``lib<name>.so``.
+
+    Args:
+        name: Family name; also names the library and its cache folder.
+        sources: ``.cu`` files relative to ``root``.
+        extra_cuda_flags: nvcc flags appended to the common ones.
+        root: Source folder and ``-I`` root; None means ``csrc_dir()``.
+    """
+
+    name: str
+    sources: tuple[str, ...]
+    extra_cuda_flags: tuple[str, ...] = ()
+    root: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.name or "") or not self.sources:
+            raise ValueError(f"KernelSpec needs a plain file name and sources, got {self.name!r}, {self.sources}")
+        # Lists would make specs unhashable and unequal to the tuple form of the same spec.
+        object.__setattr__(self, "sources", tuple(self.sources))
+        object.__setattr__(self, "extra_cuda_flags", tuple(self.extra_cuda_flags))
+        object.__setattr__(self, "root", None if self.root is None else Path(self.root))
+
+
+REGISTRY: dict[str, KernelSpec] = {}
+
+
+def register(spec: KernelSpec) -> KernelSpec:
+    """Add ``spec`` to ``REGISTRY`` (what ``flashinfer-moe build`` precompiles); an equal spec twice is fine.
+
+    Args:
+        spec: The kernel family.
+
+    Returns:
+        ``spec``, so the call can wrap a module-level assignment.
+    """
+    existing = REGISTRY.get(spec.name)
+    if existing is not None and existing != spec:
+        raise ValueError(f"kernel {spec.name!r} is already registered with a different spec: {existing}")
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+def csrc_dir() -> Path:
+    """Returns the CUDA source root: ``_csrc`` inside an installed wheel, else the checkout's ``csrc``."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "_csrc", package.parent / "csrc"):
+        if candidate.is_dir():
+            return candidate
+    raise JitError(f"CUDA sources not found: looked for {package / '_csrc'} and {package.parent / 'csrc'}")
+
+
+def _root(spec: KernelSpec) -> Path:
+    return (spec.root if spec.root is not None else csrc_dir()).resolve()
+
+
+def _is_executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def find_nvcc() -> str:
+    """Returns nvcc's path: ``FLASHINFER_MOE_NVCC``, else ``$CUDA_HOME/bin``, PATH, /usr/local/cuda."""
+    wanted = envs.nvcc()
+    if wanted is not None:
+        path = wanted if os.sep in wanted else (shutil.which(wanted) or wanted)
+        if not _is_executable(path):
+            raise JitError(f"FLASHINFER_MOE_NVCC={wanted!r} is not an executable file")
+        return path
+    home = envs.cuda_home()
+    for path in (str(home / "bin" / "nvcc") if home else "", shutil.which("nvcc") or "", _DEFAULT_NVCC):
+        if path and _is_executable(path):
+            return path
+    raise JitError(
+        "nvcc was not found (looked in $CUDA_HOME/bin, PATH and /usr/local/cuda/bin); install the CUDA "
+        "toolkit and set FLASHINFER_MOE_NVCC or CUDA_HOME"
+    )
+
+
+@cache
+def _nvcc_version(path: str, _mtime_ns: int, _size: int) -> str:
+    try:
+        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise JitError(f"could not run {path} --version: {e}") from e
+    if proc.returncode != 0:
+        raise JitError(f"{path} --version failed:\n{proc.stdout}{proc.stderr}")
+    lines = [ln.strip() for ln in proc.stdout.splitlines()]
+    return "\n".join([ln for ln in lines if "release" in ln or ln.startswith("Build")] or lines)
+
+
+def nvcc_version(nvcc: str) -> str:
+    """The 'release ...' and 'Build ...' lines of ``nvcc --version``.
+
+    Args:
+        nvcc: Compiler path.
+
+    Returns:
+        Those lines, newline-joined. Memoized per path and file identity, so an in-place upgrade shows.
+    """
+    real = os.path.realpath(nvcc)
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise JitError(f"nvcc {nvcc!r} cannot be read: {e}") from e
+    return _nvcc_version(real, st.st_mtime_ns, st.st_size)
+
+
+def current_arch() -> list[str]:
+    """Returns the target archs, e.g. ``["90a"]``: ``FLASHINFER_MOE_CUDA_ARCH``, else the visible GPUs'."""
+    wanted = envs.cuda_arch()
+    if wanted:
+        return list(dict.fromkeys(wanted))
+    try:
+        import torch  # here, not at module level: the JIT must import without a GPU stack
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise JitError(
+            "no CUDA GPU is visible, so the target architecture is unknown; pass one with "
+            "FLASHINFER_MOE_CUDA_ARCH=90a or `flashinfer-moe build --arch 90a`"
+        )
+    caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    # From Hopper on, wgmma / tcgen05 exist only in the arch-specific ('a') targets.
+    return list(dict.fromkeys(f"{ma}{mi}a" if ma >= 9 else f"{ma}{mi}" for ma, mi in caps))
+
+
+def _checked_arch(arch: list[str], normalize: bool = False) -> list[str]:
+    arch = [arch] if isinstance(arch, str) else list(arch)
+    for a in arch:
+        if not isinstance(a, str) or not _ARCH_RE.match(a):
+            raise ValueError(f"invalid CUDA arch {a!r}: expected digits with an optional a/f suffix, e.g. 90a, 89")
+    if not arch:
+        raise ValueError("no CUDA arch given")
+    # Sorted for the key, so it does not depend on the order GPUs were enumerated in.
+    return sorted(set(arch), key=lambda a: (int(a.rstrip("af")), a)) if normalize else arch
+
+
+def gencode_flags(arch: list[str]) -> list[str]:
+    """nvcc flags embedding SASS for each arch.
+
+    Args:
+        arch: Arch strings such as ``["90a", "100a"]``.
+
+    Returns:
+        e.g. ``["-gencode=arch=compute_90a,code=sm_90a"]``.
+    """
+    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in _checked_arch(arch)]
+
+
+def _compile_flags(spec: KernelSpec, arch: list[str], include_root: str) -> list[str]:
+    return [*_BASE_FLAGS, f"-I{include_root}", *gencode_flags(arch), *spec.extra_cuda_flags]
+
+
+def nvcc_flags(spec: KernelSpec, arch: list[str]) -> list[str]:
+    """The flags each source of ``spec`` is compiled with (without ``-c``/``-o``).
+
+    Args:
+        spec: The kernel family.
+        arch: Target arch strings.
+
+    Returns:
+        nvcc arguments.
+    """
+    return _compile_flags(spec, arch, str(_root(spec)))
+
+
+def source_files(spec: KernelSpec) -> list[Path]:
+    """The sources of ``spec`` plus every header they pull in with ``#include "..."``, recursively.
+
+    Args:
+        spec: The kernel family.
+
+    Returns:
+        Absolute paths, sorted and de-duplicated.
+    """
+    root = _root(spec)
+    pending = [(root / src).resolve() for src in spec.sources]
+    for src, path in zip(spec.sources, pending, strict=True):
+        if not path.is_file():
+            raise JitError(f"kernel {spec.name!r}: source {src!r} not found under {root}")
+    seen: set[Path] = set()
+    while pending:
+        path = pending.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for inc in _INCLUDE_RE.findall(path.read_text(encoding="utf-8", errors="replace")):
+            # As the preprocessor does: next to the including file first, then -I<root>.
+            found = [base / inc for base in (path.parent, root) if (base / inc).is_file()]
+            if not found:
+                raise JitError(f'{path}: #include "{inc}" not found (looked in {path.parent} and {root})')
+            pending.append(found[0].resolve())
+    return sorted(seen)
+
+
+def cache_key(spec: KernelSpec, arch: list[str], nvcc: str) -> str:
+    """Hash of everything that determines the built library.
+
+    Args:
+        spec: The kernel family.
+        arch: Target arch strings.
+        nvcc: Compiler path.
+
+    Returns:
+        16 hex characters.
+    """
+    root, arch = _root(spec), _checked_arch(arch, normalize=True)
+    h = hashlib.sha256()
+
+    def put(data: str | bytes) -> None:
+        data = data.encode() if isinstance(data, str) else data
+        h.update(len(data).to_bytes(8, "little") + data)  # length-prefixed, so no two inputs run together
+
+    for part in (_RECIPE, spec.name, __version__, nvcc_version(nvcc), *arch):
+        put(part)
+    # The root's location is left out, so a moved checkout or a wheel reuses the same builds.
+    put("\0".join(_compile_flags(spec, arch, "<root>")))
+    # nvcc reads these itself: they change the binary without showing on our command line.
+    put(os.environ.get("NVCC_PREPEND_FLAGS", "") + "\0" + os.environ.get("NVCC_APPEND_FLAGS", ""))
+    for path in source_files(spec):
+        put(os.path.relpath(path, root))
+        put(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    """Returns the folder holding every build (``FLASHINFER_MOE_CACHE_DIR``)."""
+    return envs.cache_dir()
+
+
+class _FallbackHandler(logging.StreamHandler):
+    """Prints our lines to stderr only while the application has no logging configured."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:  # otherwise the record reaches the app's handlers
+            super().emit(record)
+
+
+_fallback = _FallbackHandler(sys.stderr)
+_fallback.setFormatter(logging.Formatter("[flashinfer_moe] %(message)s"))
+_owns_level = False
+
+
+def _make_logging_visible() -> None:
+    # Checked per compile, not at import: apps often configure logging after their imports.
+    global _owns_level
+    if logging.getLogger().handlers or any(h is not _fallback for h in logger.handlers):
+        if _owns_level:  # the app has taken over: its levels decide now
+            logger.setLevel(logging.NOTSET)
+            _owns_level = False
+        logger.removeHandler(_fallback)
+        return
+    if _fallback not in logger.handlers:
+        logger.addHandler(_fallback)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+        _owns_level = True
+
+
+@contextmanager
+def _exclusive_lock(path: Path, timeout_s: float, name: str) -> Iterator[None]:
+    deadline, delay = time.monotonic() + timeout_s, 0.01
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            if delay == 0.01:
+                logger.info("waiting for another process compiling %s (lock %s)", name, path)
+            if time.monotonic() >= deadline:
+                raise JitError(
+                    f"timed out after {timeout_s:g} s waiting for the lock {path}, held by another process "
+                    f"compiling {name!r}; raise FLASHINFER_MOE_JIT_LOCK_TIMEOUT_S if its compile is slow"
+                ) from None
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.25)
+            continue
+        # Holders unlink the file before unlocking it, and a lock on an unlinked inode guards nothing.
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _find_ninja() -> str:
+    try:
+        import ninja
+
+        if _is_executable(path := os.path.join(ninja.BIN_DIR, "ninja")):
+            return path
+    except ImportError:
+        pass
+    if path := shutil.which("ninja"):
+        return path
+    raise JitError("the ninja build tool was not found; install it with `pip install ninja`")
+
+
+def _ninja_path(path: str) -> str:
+    return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+def _ninja_cmd(args: list[str]) -> str:
+    return shlex.join(args).replace("$", "$$")
+
+
+def _write_build_ninja(spec: KernelSpec, arch: list[str], nvcc: str, build_dir: Path) -> None:
+    lines = [
+        f"nvcc = {_ninja_cmd([nvcc])}",
+        f"cflags = {_ninja_cmd(nvcc_flags(spec, arch))}",
+        f"ldflags = {_ninja_cmd(['-shared', *gencode_flags(arch)])}",
+        "rule cuda_compile\n  command = $nvcc $cflags -c $src -o $out\n  description = nvcc $src",
+        "rule cuda_link\n  command = $nvcc $ldflags $in -o $out\n  description = link $out",
+    ]
+    objects = []
+    for i, src in enumerate(spec.sources):
+        src_path = str((_root(spec) / src).resolve())
+        objects.append(f"{i}_{Path(src).stem}.o")  # numbered: two sources may share a file name
+        lines.append(f"build {objects[-1]}: cuda_compile {_ninja_path(src_path)}\n  src = {_ninja_cmd([src_path])}")
+    lines.append(f"build lib{spec.name}.so: cuda_link {' '.join(objects)}")
+    (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")
+
+
+def _run_ninja(build_dir: Path, verbose: bool) -> tuple[int, str]:
+    cmd = [_find_ninja(), "-C", str(build_dir)] + (["-v"] if verbose else [])
+    if verbose:
+        print("[flashinfer_moe] " + shlex.join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    if verbose:
+        print(proc.stdout, end="", file=sys.stderr, flush=True)
+    return proc.returncode, proc.stdout
+
+
+def _compile(spec: KernelSpec, arch: list[str], nvcc: str, key: str, final: Path) -> None:
+    lib = f"lib{spec.name}.so"
+    # Same folder as the final one, so the rename that publishes it is atomic.
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=final.parent))
+    try:
+        _write_build_ninja(spec, arch, nvcc, tmp)
+        logger.info("compiling %s for %s (first use)", spec.name, ", ".join(f"sm_{a}" for a in arch))
+        start = time.perf_counter()
+        rc, output = _run_ninja(tmp, envs.jit_verbose())
+        seconds = time.perf_counter() - start
+        if rc != 0 or not (tmp / lib).is_file():
+            tail = "\n".join(output.rstrip().splitlines()[-60:])
+            raise JitError(
+                f"compiling kernel {spec.name!r} failed (exit code {rc}); compiler output:\n{tail}\n"
+                "(FLASHINFER_MOE_JIT_VERBOSE=1 prints every command line)"
+            )
+        meta = dict(name=spec.name, key=key, sources=list(spec.sources), flags=nvcc_flags(spec, arch), arch=arch)
+        meta.update(nvcc=nvcc, nvcc_version=nvcc_version(nvcc), version=__version__, seconds=round(seconds, 3))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp's 0700 would keep a shared cache private to its first user
+        if final.exists() and not (final / lib).is_file():
+            shutil.rmtree(final)  # an incomplete folder someone left behind
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / lib).is_file():
+                raise
+            # Published meanwhile by a process our lock did not stop (flock unsupported on this filesystem).
+        logger.info("compiled %s in %.1f s", spec.name, seconds)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build(spec: KernelSpec, arch: list[str] | None = None) -> Path:
+    """Compile ``spec`` unless an identical build is cached.
+
+    Args:
+        spec: The kernel family.
+        arch: Target arch strings; None means ``current_arch()``.
+
+    Returns:
+        Path of ``lib<name>.so`` in the cache.
+    """
+    arch = _checked_arch(current_arch() if arch is None else arch, normalize=True)
+    nvcc = find_nvcc()
+    key = cache_key(spec, arch, nvcc)
+    final = cache_root() / spec.name / key
+    lib = final / f"lib{spec.name}.so"
+    if lib.is_file():
+        return lib
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise JitError(f"cannot create the kernel cache {final.parent} (see FLASHINFER_MOE_CACHE_DIR): {e}") from e
+    _make_logging_visible()
+    with _exclusive_lock(final.parent / f"{key}.lock", envs.jit_lock_timeout_s(), spec.name):
+        if lib.is_file():  # another process (another rank) built it while we waited
+            return lib
+        _compile(spec, arch, nvcc, key, final)
+        if cache_key(spec, arch, nvcc) != key:
+            # A source was edited mid-compile: the binary may not match the key it would be stored under.
+            shutil.rmtree(final, ignore_errors=True)
+            raise JitError(f"the sources of kernel {spec.name!r} changed while compiling; call again")
+    return lib
+
+
+_loaded: dict[tuple[str, str], ctypes.CDLL] = {}
+_loaded_lock = threading.Lock()
+
+
+def load(spec: KernelSpec) -> ctypes.CDLL:
+    """Build ``spec`` if needed and load its library, once per process and build.
+
+    Args:
+        spec: The kernel family.
+
+    Returns:
+        The library; its ``extern "C"`` functions are attributes.
+    """
+    lib = build(spec)
+    memo = (spec.name, lib.parent.name)
+    with _loaded_lock:
+        if memo not in _loaded:
+            try:
+                _loaded[memo] = ctypes.CDLL(str(lib))
+            except OSError as e:
+                raise JitError(f"could not load kernel {spec.name!r} from {lib}: {e}") from e
+        return _loaded[memo]
+
+
+def _tree_bytes(path: Path) -> int:
+    if not path.is_dir() or path.is_symlink():
+        return path.lstat().st_size
+    return sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(path) for f in files)
+
+
+def clear_cache() -> int:
+    """Delete every cached build; a compile running meanwhile in another process will fail.
+
+    Returns:
+        Bytes freed.
+    """
+    root = cache_root()
+    freed = 0
+    for child in root.iterdir() if root.is_dir() else ():
+        freed += _tree_bytes(child)
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    return freed
+
+
+def cache_size() -> tuple[int, int]:
+    """Returns ``(number of cached builds, total bytes under the cache root)``."""
+    root = cache_root()
+    if not root.is_dir():
+        return 0, 0
+    libs = [p for p in root.glob("*/*/lib*.so") if not p.parent.name.startswith(".")]
+    return sum(p.name == f"lib{p.parent.parent.name}.so" for p in libs), _tree_bytes(root)
