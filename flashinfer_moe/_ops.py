@@ -57,12 +57,20 @@ def check_launch(lib: ctypes.CDLL, status: int, what: str) -> None:
         raise KernelLaunchError(f"{what}: CUDA error {status} ({message})")
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def stream_of(t: torch.Tensor) -> int:
+    """The raw handle of the current CUDA stream on ``t``'s device (what graph capture records into)."""
+    if _raw_stream is not None:  # skips building a torch.cuda.Stream object on every launch
+        return _raw_stream(t.device.index)
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
 class on_device:
     """Makes ``t``'s GPU current for the duration, only when it is not already (the common case)."""
+
+    __slots__ = ("index", "previous")
 
     def __init__(self, t: torch.Tensor):
         self.index = t.device.index

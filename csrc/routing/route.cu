@@ -9,6 +9,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/dtype.cuh"
 #include "common/warp.cuh"
@@ -34,6 +35,7 @@ struct RouteParams {
   int renormalize;
   int num_groups;  // 1 = no group limit
   int topk_group;
+  int lanes_per_group;  // > 0: groups are runs of this many whole lanes (power of two); 0: general path
   float scale;
 };
 
@@ -45,30 +47,62 @@ __device__ __forceinline__ uint32_t warp_argmax(uint32_t key, uint32_t index, ui
   return __reduce_min_sync(kFullMask, key == kmax ? index : UINT_MAX);
 }
 
+// Loads this lane's VPL consecutive logits as fp32, with the widest vector loads the row's alignment allows.
+template <typename T, int VPL>
+__device__ __forceinline__ void load_logits(const T* row, int lane, int num_experts, float (&out)[VPL]) {
+  constexpr int kBytes = VPL * static_cast<int>(sizeof(T));
+  constexpr int kVec = kBytes % 16 == 0 ? 16 : kBytes % 8 == 0 ? 8 : kBytes % 4 == 0 ? 4 : 2;
+  using Vec = typename std::conditional<
+      kVec == 16, uint4,
+      typename std::conditional<kVec == 8, uint2,
+                                typename std::conditional<kVec == 4, uint32_t, uint16_t>::type>::type>::type;
+  const T* src = row + lane * VPL;
+  const bool full = (lane + 1) * VPL <= num_experts;
+  if (full && reinterpret_cast<uintptr_t>(src) % kVec == 0) {
+    Vec buf[kBytes / kVec];
+#pragma unroll
+    for (int n = 0; n < kBytes / kVec; ++n) buf[n] = reinterpret_cast<const Vec*>(src)[n];
+    const T* vals = reinterpret_cast<const T*>(buf);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) out[i] = to_float(vals[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) out[i] = lane * VPL + i < num_experts ? to_float(src[i]) : -INFINITY;
+  }
+}
+
+// Top-2 merge of (a1 >= a2) and (b1 >= b2).
+__device__ __forceinline__ void merge_top2(float& a1, float& a2, float b1, float b2) {
+  const float hi = fmaxf(a1, b1);
+  a2 = fmaxf(fminf(a1, b1), fmaxf(a2, b2));
+  a1 = hi;
+}
+
+// Lane l holds experts e = l * VPL + i (i < VPL): with groups of E/G consecutive experts, a group is then a
+// run of whole lanes whenever VPL divides the group size, and its score is a few shuffles away
+// (lanes_per_group > 0). Other group sizes take a general per-group loop.
 template <typename T, int VPL>
 __global__ void __launch_bounds__(kThreads) route_kernel(const RouteParams p) {
-  static_assert(VPL >= 1 && VPL <= 32, "avail mask is 32 bits");
+  static_assert(VPL >= 1 && VPL <= 32, "one lane holds at most 32 experts");
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (t >= p.num_tokens) return;  // whole warps leave together, so the full-mask reductions stay valid
 
   const int E = p.num_experts;
-  const T* row = static_cast<const T*>(p.logits) + t * p.row_stride;
+  const int base = lane * VPL;
+  float bias[VPL];
+  if (p.bias != nullptr) {  // issued before the logits are consumed, so both loads are in flight together
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) bias[i] = base + i < E ? p.bias[base + i] : 0.0f;
+  }
+  float key[VPL];  // the logits for now
+  load_logits<T, VPL>(static_cast<const T*>(p.logits) + t * p.row_stride, lane, E, key);
 
   float score[VPL];
-  float key[VPL];
-  uint32_t avail = 0;  // bit i: expert i*32+lane exists, is in a kept group and is not taken yet
-#pragma unroll
-  for (int i = 0; i < VPL; ++i) {
-    const int e = i * 32 + lane;
-    const bool valid = e < E;
-    key[i] = valid ? to_float(row[e]) : -INFINITY;  // the logit for now
-    avail |= valid ? (1u << i) : 0u;
-  }
-
   if (p.use_sigmoid) {
+    // __frcp_rn(x) is the correctly rounded 1/x, the same bits as 1.0f / x, which the reference computes.
 #pragma unroll
-    for (int i = 0; i < VPL; ++i) score[i] = 1.0f / (1.0f + expf(-key[i]));
+    for (int i = 0; i < VPL; ++i) score[i] = __frcp_rn(1.0f + expf(-key[i]));
   } else {
     float m = -INFINITY;
 #pragma unroll
@@ -77,79 +111,75 @@ __global__ void __launch_bounds__(kThreads) route_kernel(const RouteParams p) {
     float sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
-      score[i] = (avail >> i & 1u) ? expf(key[i] - m) : 0.0f;
+      score[i] = base + i < E ? expf(key[i] - m) : 0.0f;
       sum += score[i];
     }
-    sum = warp_sum(sum);
+    const float inv = __frcp_rn(warp_sum(sum));
 #pragma unroll
-    for (int i = 0; i < VPL; ++i) score[i] = score[i] / sum;
+    for (int i = 0; i < VPL; ++i) score[i] *= inv;
   }
 
   // Selection key. Without a bias, softmax and sigmoid are monotone in the logit, so the logit itself
   // orders the experts and no rounding of the scores can create or break a tie. With a bias, the key is
-  // score + bias and the weight stays the unbiased score.
-  if (p.bias != nullptr) {
+  // score + bias and the weight stays the unbiased score. +0.0f folds -0 into +0 so the two tie.
+  // okey: the key as an order-preserving integer; 0 marks "not selectable" (below every real key).
+  uint32_t okey[VPL];
 #pragma unroll
-    for (int i = 0; i < VPL; ++i) {
-      const int e = i * 32 + lane;
-      key[i] = (avail >> i & 1u) ? score[i] + p.bias[e] : -INFINITY;
-    }
+  for (int i = 0; i < VPL; ++i) {
+    if (p.bias != nullptr) key[i] = score[i] + bias[i];
+    key[i] = key[i] + 0.0f;
+    okey[i] = base + i < E ? float_to_ordered(key[i]) : 0u;
   }
-#pragma unroll
-  for (int i = 0; i < VPL; ++i) key[i] = key[i] + 0.0f;  // -0 -> +0, so the integer order ties them
 
   if (p.num_groups > 1) {
     const int group_size = E / p.num_groups;
-    int group[VPL];
+    const bool top2 = p.bias != nullptr && group_size >= 2;
+    float my_group_score = -INFINITY;  // fast path: every lane of group g; general path: lane g
+    int my_group;                      // the group whose score this lane holds, >= G for none
+    if (p.lanes_per_group > 0) {
+      float b1 = -INFINITY, b2 = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < VPL; ++i) group[i] = (i * 32 + lane) / group_size;
-
-    // Group score: the best key of the group, or with a bias the sum of its two best keys.
-    float my_group_score = -INFINITY;  // lane g keeps group g's score
-    for (int g = 0; g < p.num_groups; ++g) {
-      float b1 = -INFINITY;
-      float b2 = -INFINITY;
-      int b1_index = INT_MAX;
+      for (int i = 0; i < VPL; ++i) merge_top2(b1, b2, key[i], -INFINITY);
+      for (int offset = 1; offset < p.lanes_per_group; offset <<= 1) {
+        const float o1 = __shfl_xor_sync(kFullMask, b1, offset);
+        const float o2 = __shfl_xor_sync(kFullMask, b2, offset);
+        merge_top2(b1, b2, o1, o2);
+      }
+      my_group = lane / p.lanes_per_group;
+      my_group_score = (top2 ? b1 + b2 : b1) + 0.0f;
+    } else {
+      my_group = lane;
+      int group[VPL];
 #pragma unroll
-      for (int i = 0; i < VPL; ++i) {
-        if ((avail >> i & 1u) && group[i] == g) {
-          if (b1_index == INT_MAX || key[i] > b1) {
-            b2 = b1;
-            b1 = key[i];
-            b1_index = i * 32 + lane;
-          } else if (key[i] > b2) {
-            b2 = key[i];
-          }
+      for (int i = 0; i < VPL; ++i) group[i] = base + i < E ? (base + i) / group_size : -1;
+      for (int g = 0; g < p.num_groups; ++g) {
+        float b1 = -INFINITY, b2 = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+          if (group[i] == g) merge_top2(b1, b2, key[i], -INFINITY);
         }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          const float o1 = __shfl_xor_sync(kFullMask, b1, offset);
+          const float o2 = __shfl_xor_sync(kFullMask, b2, offset);
+          merge_top2(b1, b2, o1, o2);
+        }
+        if (lane == g) my_group_score = (top2 ? b1 + b2 : b1) + 0.0f;
       }
-      uint32_t best;
-      const uint32_t winner = warp_argmax(b1_index == INT_MAX ? 0u : float_to_ordered(b1),
-                                          b1_index == INT_MAX ? UINT_MAX : static_cast<uint32_t>(b1_index), &best);
-      float group_score = ordered_to_float(best);
-      if (p.bias != nullptr && group_size >= 2) {
-        // Second best of the group: the winner lane offers its own runner-up, the others their best.
-        const bool is_winner_lane = static_cast<int>(winner & 31u) == lane;
-        const float offer = is_winner_lane ? b2 : b1;
-        // Every group has at least two experts, so a second best exists; a -inf offer from the winner lane
-        // (no runner-up of its own) can only lose to it or equal it.
-        const bool has_offer = is_winner_lane || b1_index != INT_MAX;
-        const uint32_t second = __reduce_max_sync(kFullMask, has_offer ? float_to_ordered(offer) : 0u);
-        group_score = group_score + ordered_to_float(second);
-      }
-      if (lane == g) my_group_score = group_score + 0.0f;
     }
 
     uint32_t kept_groups = 0;
     for (int r = 0; r < p.topk_group; ++r) {
-      const bool candidate = lane < p.num_groups && !(kept_groups >> lane & 1u);
+      const bool candidate = my_group < p.num_groups && !(kept_groups >> my_group & 1u);
       uint32_t unused;
       const uint32_t g = warp_argmax(candidate ? float_to_ordered(my_group_score) : 0u,
-                                     candidate ? static_cast<uint32_t>(lane) : UINT_MAX, &unused);
+                                     candidate ? static_cast<uint32_t>(my_group) : UINT_MAX, &unused);
       kept_groups |= 1u << g;
     }
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
-      if (!(kept_groups >> group[i] & 1u)) avail &= ~(1u << i);
+      const int g = p.lanes_per_group > 0 ? my_group : (base + i) / group_size;
+      if (!(kept_groups >> g & 1u)) okey[i] = 0u;
     }
   }
 
@@ -157,23 +187,28 @@ __global__ void __launch_bounds__(kThreads) route_kernel(const RouteParams p) {
   float my_weight = 0.0f;
   int my_id = 0;
   for (int j = 0; j < p.top_k; ++j) {
-    uint32_t local_key = 0;
-    uint32_t local_index = UINT_MAX;
-    float local_score = 0.0f;
+    uint32_t local_key = 0u;
+    int local_i = 0;
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
-      const uint32_t o = float_to_ordered(key[i]);
-      if ((avail >> i & 1u) && (local_index == UINT_MAX || o > local_key)) {
-        local_key = o;
-        local_index = static_cast<uint32_t>(i * 32 + lane);
-        local_score = score[i];
+      if (okey[i] > local_key) {  // strict: the lower index keeps a tie
+        local_key = okey[i];
+        local_i = i;
       }
     }
     uint32_t best;
-    const uint32_t winner = warp_argmax(local_key, local_index, &best);
-    const int owner = static_cast<int>(winner & 31u);
-    const float w = __shfl_sync(kFullMask, local_score, owner);
-    if (lane == owner) avail &= ~(1u << (winner >> 5));
+    const uint32_t winner =
+        warp_argmax(local_key, local_key != 0u ? static_cast<uint32_t>(base + local_i) : UINT_MAX, &best);
+    const bool owner = static_cast<uint32_t>(base + local_i) == winner;
+    float w = 0.0f;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      if (owner && i == local_i) {
+        w = score[i];
+        okey[i] = 0u;
+      }
+    }
+    w = __shfl_sync(kFullMask, w, static_cast<int>(winner) / VPL);
     if (lane == j) {
       my_weight = w;
       my_id = static_cast<int>(winner);
@@ -191,29 +226,30 @@ __global__ void __launch_bounds__(kThreads) route_kernel(const RouteParams p) {
   }
 }
 
+template <typename T, int VPL>
+cudaError_t launch_vpl(RouteParams p, cudaStream_t stream) {
+  p.lanes_per_group = 0;
+  if (p.num_groups > 1) {
+    const int group_size = p.num_experts / p.num_groups;
+    const int lanes = group_size / VPL;
+    if (group_size % VPL == 0 && lanes <= 32 && (lanes & (lanes - 1)) == 0) p.lanes_per_group = lanes;
+  }
+  const dim3 grid(static_cast<unsigned>((p.num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  route_kernel<T, VPL><<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch_typed(const RouteParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock));
-  const dim3 block(kThreads);
   const int vpl = (p.num_experts + 31) / 32;
-  if (vpl <= 1) {
-    route_kernel<T, 1><<<grid, block, 0, stream>>>(p);
-  } else if (vpl <= 2) {
-    route_kernel<T, 2><<<grid, block, 0, stream>>>(p);
-  } else if (vpl <= 4) {
-    route_kernel<T, 4><<<grid, block, 0, stream>>>(p);
-  } else if (vpl <= 8) {
-    route_kernel<T, 8><<<grid, block, 0, stream>>>(p);
-  } else if (vpl <= 12) {
-    route_kernel<T, 12><<<grid, block, 0, stream>>>(p);
-  } else if (vpl <= 16) {
-    route_kernel<T, 16><<<grid, block, 0, stream>>>(p);
-  } else if (vpl <= 32) {
-    route_kernel<T, 32><<<grid, block, 0, stream>>>(p);
-  } else {
-    return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  if (vpl <= 1) return launch_vpl<T, 1>(p, stream);
+  if (vpl <= 2) return launch_vpl<T, 2>(p, stream);
+  if (vpl <= 4) return launch_vpl<T, 4>(p, stream);
+  if (vpl <= 8) return launch_vpl<T, 8>(p, stream);
+  if (vpl <= 12) return launch_vpl<T, 12>(p, stream);
+  if (vpl <= 16) return launch_vpl<T, 16>(p, stream);
+  if (vpl <= 32) return launch_vpl<T, 32>(p, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace routing
@@ -232,8 +268,20 @@ int fim_route(const void* logits, int dtype, int64_t row_stride, const float* bi
       num_groups > kMaxGroups || num_experts % num_groups != 0 || topk_group < 1 || topk_group > num_groups) {
     return cudaErrorInvalidValue;
   }
-  RouteParams p{logits, row_stride,  bias,        weights,    ids,        num_tokens, num_experts,
-                top_k,  use_sigmoid, renormalize, num_groups, topk_group, scale};
+  RouteParams p{logits,
+                row_stride,
+                bias,
+                weights,
+                ids,
+                num_tokens,
+                num_experts,
+                top_k,
+                use_sigmoid,
+                renormalize,
+                num_groups,
+                topk_group,
+                /*lanes_per_group=*/0,
+                scale};
   auto s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case fim::kFloat32:
