@@ -58,6 +58,7 @@ def check_launch(lib: ctypes.CDLL, status: int, what: str) -> None:
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def stream_of(t: torch.Tensor) -> int:
@@ -77,7 +78,7 @@ class on_device:
         self.previous: int | None = None
 
     def __enter__(self):
-        current = torch.cuda.current_device()
+        current = _get_device()
         if self.index is not None and current != self.index:
             self.previous = current
             torch.cuda.set_device(self.index)
