@@ -68,3 +68,11 @@ def test_kernel_sources_ship_with_the_package():
     for spec in jit.REGISTRY.values():
         for src in spec.sources:
             assert (root / src).is_file(), f"{spec.name}: {src} missing under {root}"
+
+
+def test_every_environment_variable_is_in_the_readme():
+    from flashinfer_moe import envs
+
+    readme = (REPO / "README.md").read_text()
+    for name in envs.VARIABLES:
+        assert f"`{name}`" in readme, f"{name} is parsed in envs.py but missing from the README's table"
