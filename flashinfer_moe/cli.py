@@ -5,46 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
-import subprocess
 import sys
 import time
 
 from . import __version__
-
-
-def _driver_versions() -> str:
-    """The NVIDIA driver's version and the CUDA version it supports, or why they are unknown."""
-    parts = []
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            res = subprocess.run(
-                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-            )
-            if res.returncode == 0 and res.stdout.strip():
-                parts.append(res.stdout.strip().splitlines()[0])
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    try:
-        # cuda-python is imported here only: the package must import on machines without a driver.
-        from cuda.bindings import driver  # type: ignore[import-not-found]
-
-        (err,) = driver.cuInit(0)
-        if err == driver.CUresult.CUDA_SUCCESS:
-            err, version = driver.cuDriverGetVersion()
-            if err == driver.CUresult.CUDA_SUCCESS:
-                parts.append(f"CUDA {version // 1000}.{(version % 1000) // 10}")
-        else:
-            parts.append(f"cuInit failed: {err.name}")
-    except ImportError:
-        parts.append("cuda-python not installed")
-    except Exception as exc:  # a missing libcuda surfaces as various errors depending on the version
-        parts.append(f"no driver ({type(exc).__name__}: {exc})")
-    return ", ".join(parts) if parts else "not found"
 
 
 def _format_bytes(n: int) -> str:
@@ -58,13 +22,13 @@ def _format_bytes(n: int) -> str:
 def cmd_env(args: argparse.Namespace) -> int:
     import torch
 
-    from . import jit
+    from . import jit, sysinfo
 
     rows: list[tuple[str, str]] = [
         ("flashinfer-moe", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})"),
         ("python", platform.python_version()),
         ("torch", f"{torch.__version__} (built for CUDA {torch.version.cuda or 'none'})"),
-        ("driver", _driver_versions()),
+        ("driver", sysinfo.driver_versions()),
     ]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -85,7 +49,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         rows.append(("nvcc", f"not found ({exc})"))
     try:
         nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
-        rows.append(("NCCL (torch)", ".".join(map(str, nccl)) if nccl else "not available"))
+        rows.append(("NCCL (torch)", sysinfo.nccl_library() if nccl else "not available"))
     except Exception as exc:
         rows.append(("NCCL (torch)", f"not available ({exc})"))
     builds, size = jit.cache_size()
@@ -113,6 +77,43 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--devices takes comma-separated GPU indices, got {text!r}") from None
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--timeout takes seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--timeout must be > 0, got {text!r}")
+    return value
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from .comm import probe
+
+    try:
+        code, text = probe.run(args.devices, args.timeout, args.json, args.bandwidth, args.force_failure)
+    except ValueError as exc:
+        print(f"flashinfer-moe probe: {exc}", file=sys.stderr)
+        return probe.EXIT_USAGE
+    print(text, file=sys.stdout if code != probe.EXIT_NO_GPU or args.json else sys.stderr)
+    return code
+
+
+PROBE_EPILOG = """exit codes:
+  0  every pair of the probed GPUs is fit for one-shot P2P all-to-all
+  1  the probe ran and some pair is not (the NCCL fallback is advised)
+  2  usage error
+  3  no GPU or no driver
+"""
+
+
 def cmd_clear_cache(args: argparse.Namespace) -> int:
     from . import jit
 
@@ -133,6 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", help="target(s), comma-separated, e.g. 90a; default: the visible GPUs'")
     p.add_argument("--kernel", action="append", help="only this kernel family (repeatable)")
     p.set_defaults(func=cmd_build)
+    p = sub.add_parser(
+        "probe",
+        help="check peer access, links, P2P atomics (live), CUDA IPC between every GPU pair",
+        epilog=PROBE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--devices", type=_device_list, help="GPU indices to probe, e.g. 0,1 (default: all)")
+    p.add_argument("--timeout", type=_positive_seconds, default=2.0, help="seconds a live check waits (default 2)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--bandwidth", action="store_true", help="also measure copy bandwidth and flag latency per pair")
+    p.add_argument(
+        "--force-failure",
+        choices=["timeout", "fail"],
+        help="make every live check fail this way (shows the failure path; same as FLASHINFER_MOE_PROBE_FORCE)",
+    )
+    p.set_defaults(func=cmd_probe)
     p = sub.add_parser("clear-cache", help="delete every cached kernel build")
     p.set_defaults(func=cmd_clear_cache)
     return parser

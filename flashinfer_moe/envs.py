@@ -28,6 +28,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "seconds a process waits for another one's compile of the same kernel before giving up",
     ),
     "FLASHINFER_MOE_JIT_VERBOSE": ("0", "1 prints the compiler's command lines and output"),
+    "FLASHINFER_MOE_PROBE_FORCE": (
+        "unset",
+        "`timeout` or `fail` makes every live P2P flag check fail that way (tests the failure paths)",
+    ),
 }
 
 
@@ -89,3 +93,12 @@ def cuda_home() -> Path | None:
     # Not ours to rename: CUDA_HOME / CUDA_PATH are the toolkit's own conventions.
     raw = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     return Path(raw) if raw else None
+
+
+def probe_force() -> str | None:
+    raw = _str("FLASHINFER_MOE_PROBE_FORCE")
+    if raw is None:
+        return None
+    if raw not in ("timeout", "fail"):
+        raise ValueError(f"FLASHINFER_MOE_PROBE_FORCE must be 'timeout' or 'fail', got {raw!r}")
+    return raw
