@@ -2,7 +2,10 @@
 # Runs everything that needs a GPU in one go: install, JIT compile times, the GPU test tiers and the
 # benchmarks. Logs go to the directory given as the first argument.
 #
-#   bash launch/gpu_suite.sh LOGDIR [--quick]
+#   bash launch/gpu_suite.sh LOGDIR [--quick | --no-bench]
+#
+# --quick: a short routing benchmark; --no-bench: none. With two or more GPUs it also runs the multigpu
+# tier and records the probe's outputs (plain, --json, --bandwidth, and a forced failure) in probe.txt.
 set -uo pipefail
 LOG=${1:?usage: gpu_suite.sh LOGDIR [--quick]}
 QUICK=${2:-}
@@ -20,18 +23,19 @@ step install
 # Regular (non-editable) install: the kernels' sources are then read from the installed package.
 # WHEEL=path installs a wheel built elsewhere (machines that cannot build one); else build from the checkout.
 $PY -m pip install -q --no-deps --no-build-isolation --no-index --force-reinstall "${WHEEL:-.}" \
-  >"$LOG/install.log" 2>&1 || { cat "$LOG/install.log"; exit 1; }
+  >"$LOG/env.txt" 2>&1 || { cat "$LOG/env.txt"; exit 1; }
 cd /tmp  # from here on, nothing may import from the checkout by accident
 REPO=$OLDPWD
 
 step env
-flashinfer-moe env | tee "$LOG/env.txt"
+flashinfer-moe env | tee -a "$LOG/env.txt"
 nvidia-smi topo -m >>"$LOG/env.txt" 2>&1
 
 step "jit: cold and warm builds"
 flashinfer-moe clear-cache
 TIMEFORMAT="cold build: %R s wall"
 { time flashinfer-moe build; } 2>&1 | tee "$LOG/jit.txt"
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 TIMEFORMAT="warm (cached) build: %R s wall"
 { time flashinfer-moe build; } 2>&1 | tee -a "$LOG/jit.txt"
 # First call in a fresh process with an empty cache: what a user waits the first time.
@@ -52,15 +56,31 @@ step "pytest -m gpu"
 $PY -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests" 2>&1 | tee "$LOG/pytest_gpu.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
+if [ "$NGPU" -ge 2 ]; then
+  step "pytest -m multigpu ($NGPU GPUs)"
+  $PY -m pytest -q -p no:cacheprovider -m multigpu "$REPO/tests" 2>&1 | tee -a "$LOG/pytest_gpu.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+
+step "probe"
+{
+  echo "\$ flashinfer-moe probe --bandwidth"; flashinfer-moe probe --bandwidth; echo "(exit $?)"
+  echo; echo "\$ flashinfer-moe probe --json"; flashinfer-moe probe --json; echo "(exit $?)"
+  echo; echo "\$ flashinfer-moe probe --timeout 1 --force-failure timeout"
+  SECONDS=0; flashinfer-moe probe --timeout 1 --force-failure timeout; rc=$?
+  echo "(exit $rc, about ${SECONDS} s wall)"
+} 2>&1 | tee "$LOG/probe.txt"
+
 step "SASS of the routing kernel (resource usage)"
 so=$(find "$FLASHINFER_MOE_CACHE_DIR" -name 'librouting.so' | head -1)
 [ -n "$so" ] && cuobjdump --dump-resource-usage "$so" 2>&1 | grep -E "Function|REG" | head -20 | tee -a "$LOG/jit.txt"
 
 step "benchmark: routing"
-if [ "$QUICK" = "--quick" ]; then extra="--tokens 1,4096 --models deepseek_v3 --no-compile"; else extra=""; fi
-$PY "$REPO/launch/bench_routing.py" $extra --markdown "$LOG/bench_routing.md" --json "$LOG/bench_routing.json" \
-  2>&1 | tee "$LOG/bench_routing.log"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
+if [ "$QUICK" != "--no-bench" ]; then
+  if [ "$QUICK" = "--quick" ]; then extra="--tokens 1,4096 --models deepseek_v3 --no-compile"; else extra=""; fi
+  $PY "$REPO/launch/bench_routing.py" $extra --markdown "$LOG/bench_routing.md" --json "$LOG/bench_routing.json"
+  [ $? = 0 ] || status=1
+fi
 
 step "done (status $status)"
 exit $status
