@@ -132,9 +132,11 @@ def live_flag_check(writer: int, waiter: int, timeout_s: float = 2.0, force: str
     buf = torch.zeros(8, dtype=torch.int32, device=f"cuda:{waiter}")
     token = int.from_bytes(os.urandom(4), "little") & 0x3FFFFFFF | 1
     base = buf.data_ptr()
+    # Side streams from torch's pool (non-blocking): the waiter spins until the signal lands, so the two
+    # kernels must never queue behind each other, which they would on one stream when writer == waiter.
+    torch.cuda.synchronize(waiter)  # the zeroing must land before the waiter starts reading
     with torch.cuda.device(waiter):
-        wait_stream = torch.cuda.current_stream(waiter)
-        wait_stream.synchronize()  # the zeroing must land before the waiter starts reading
+        wait_stream = torch.cuda.Stream(waiter)
         status = lib.fim_probe_launch_wait(
             base, base + 4, token, int(timeout_s * 1e9), base + 16, wait_stream.cuda_stream
         )
@@ -142,7 +144,7 @@ def live_flag_check(writer: int, waiter: int, timeout_s: float = 2.0, force: str
         waited = torch.cuda.Event()
         waited.record(wait_stream)
     with torch.cuda.device(writer):
-        write_stream = torch.cuda.current_stream(writer)
+        write_stream = torch.cuda.Stream(writer)
         status = lib.fim_probe_launch_signal(base, base + 4, token, _FORCE[force], write_stream.cuda_stream)
         check_launch(lib, status, "probe signal kernel")
         written = torch.cuda.Event()
@@ -173,7 +175,7 @@ def pingpong_latency_us(a: int, b: int, rounds: int = 2000, timeout_s: float = 2
     events = []
     for me, peer, initiator in ((b, a, 0), (a, b, 1)):  # the responder first, so it is waiting
         with torch.cuda.device(me):
-            stream = torch.cuda.current_stream(me)
+            stream = torch.cuda.Stream(me)
             mine, theirs = bufs[me].data_ptr(), bufs[peer].data_ptr()
             status = lib.fim_probe_launch_pingpong(
                 mine, theirs, rounds, initiator, int(timeout_s * 1e9), mine + 16, stream.cuda_stream

@@ -18,7 +18,7 @@ EXIT_FIT, EXIT_UNFIT, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 3
 
 LEGEND = {
     "Y / N": "yes / no, as the CUDA runtime reports it",
-    "NV#": "NVLink, # links (through NVSwitch where the links end in a switch)",
+    "NV#": "NVLink, # links (through NVSwitch where the links end in a switch); NV: NVLink, count not exposed",
     "PIX/PXB/PHB/NODE/SYS": "PCIe path: one switch / several switches / host bridge / across host bridges "
     "in a NUMA node / across NUMA nodes",
     "OK": "the check passed",
@@ -63,6 +63,9 @@ def _link_matrix(devices: list[int], bus_ids: list[str]) -> tuple[list[list[str]
         handles = [pynvml.nvmlDeviceGetHandleByPciBusId(_normalize_bus_id(b).encode()) for b in bus_ids]
         own = {_normalize_bus_id(b) for b in bus_ids}
         levels = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+        remote_pci = (
+            getattr(pynvml, "nvmlDeviceGetNvLinkRemotePciInfo_v2", None) or pynvml.nvmlDeviceGetNvLinkRemotePciInfo
+        )
         out = [row[:] for row in unknown]
         for i in range(n):
             direct: dict[str, int] = {}
@@ -71,7 +74,7 @@ def _link_matrix(devices: list[int], bus_ids: list[str]) -> tuple[list[list[str]
                 try:
                     if pynvml.nvmlDeviceGetNvLinkState(handles[i], link) != pynvml.NVML_FEATURE_ENABLED:
                         continue
-                    remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo_v2(handles[i], link).busId
+                    remote = remote_pci(handles[i], link).busId
                 except pynvml.NVMLError:
                     continue
                 remote = _normalize_bus_id(remote.decode() if isinstance(remote, bytes) else remote)
@@ -80,17 +83,10 @@ def _link_matrix(devices: list[int], bus_ids: list[str]) -> tuple[list[list[str]
                 else:
                     to_switch += 1
             for j in range(n):
-                if i == j:
-                    continue
-                count = direct.get(_normalize_bus_id(bus_ids[j]), 0)
-                if count == 0 and to_switch:
-                    status = pynvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
-                    count = to_switch if status == pynvml.NVML_P2P_STATUS_OK else 0
-                if count:
-                    out[i][j] = f"NV{count}"
-                else:
-                    level = pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j])
-                    out[i][j] = levels.get(level, f"L{level}")
+                if i != j:
+                    out[i][j] = _link_cell(
+                        pynvml, handles[i], handles[j], direct.get(_normalize_bus_id(bus_ids[j]), 0), to_switch, levels
+                    )
         return out, None
     except Exception as exc:
         return unknown, f"NVML query failed: {type(exc).__name__}: {exc}"
@@ -99,6 +95,23 @@ def _link_matrix(devices: list[int], bus_ids: list[str]) -> tuple[list[list[str]
             pynvml.nvmlShutdown()
         except Exception:
             pass
+
+
+def _link_cell(pynvml, a, b, direct: int, to_switch: int, levels: dict[int, str]) -> str:
+    """NV# for NVLink (direct, or through switches), else the PCIe path; '?' where NVML cannot tell."""
+    if direct:
+        return f"NV{direct}"
+    try:
+        nvlink = pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == pynvml.NVML_P2P_STATUS_OK
+    except pynvml.NVMLError:
+        nvlink = False
+    if nvlink:  # e.g. through NVSwitch, or a VM where per-link queries are not exposed
+        return f"NV{to_switch}" if to_switch else "NV"
+    try:
+        level = pynvml.nvmlDeviceGetTopologyCommonAncestor(a, b)
+    except pynvml.NVMLError:
+        return "?"
+    return levels.get(level, f"L{level}")
 
 
 def _ipc_child(devices: list[int], requests, replies) -> None:
