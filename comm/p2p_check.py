@@ -38,6 +38,7 @@ _SIGNATURES = {
     "fim_probe_pci_bus_id": ([_int, ctypes.c_char_p, _int], _int),
     "fim_probe_pair_attributes": ([_int, _int, ctypes.POINTER(_int)], _int),
     "fim_probe_enable_peer_access": ([_int, _int], _int),
+    "fim_probe_preload": ([], _int),
     "fim_probe_launch_wait": ([_vp, _vp, _int, _u64, _vp, _vp], _int),
     "fim_probe_launch_signal": ([_vp, _vp, _int, _int, _vp], _int),
     "fim_probe_launch_pingpong": ([_vp, _vp, _int, _int, _u64, _vp, _vp], _int),
@@ -49,8 +50,21 @@ _FORCE = {None: 0, "timeout": 1, "fail": 2}
 _HOST_GRACE_S = 5.0
 
 
+_preloaded: set[int] = set()
+
+
 def _lib() -> ctypes.CDLL:
     return kernel_library("probe", _SIGNATURES)
+
+
+def _preload(*devices: int) -> None:
+    """Loads the probe kernels on each device before any of them spins (see fim_probe_preload)."""
+    lib = _lib()
+    for d in devices:
+        if d not in _preloaded:
+            with torch.cuda.device(d):
+                check_launch(lib, lib.fim_probe_preload(), f"loading the probe kernels on GPU {d}")
+            _preloaded.add(d)
 
 
 @dataclass(frozen=True)
@@ -124,6 +138,7 @@ def live_flag_check(writer: int, waiter: int, timeout_s: float = 2.0, force: str
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     lib = _lib()
+    _preload(writer, waiter)
     if writer != waiter:
         error = enable_peer_access(writer, waiter)
         if error is not None:
@@ -165,6 +180,7 @@ def live_flag_check(writer: int, waiter: int, timeout_s: float = 2.0, force: str
 def pingpong_latency_us(a: int, b: int, rounds: int = 2000, timeout_s: float = 2.0) -> float | None:
     """One-way flag latency between GPUs ``a`` and ``b`` from a ping-pong of ``rounds``; None on timeout."""
     lib = _lib()
+    _preload(a, b)
     for x, y in ((a, b), (b, a)):
         if enable_peer_access(x, y) is not None:
             return None

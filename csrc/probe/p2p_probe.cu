@@ -92,6 +92,17 @@ int fim_probe_enable_peer_access(int device, int peer) {
   return err;
 }
 
+// Loads the probe kernels into the current device's context. With lazy module loading (the default), the
+// first launch of a kernel loads it, and loading waits for kernels already running on the device: a signal
+// kernel launched for the first time while a waiter spins would then wait for the waiter's timeout.
+int fim_probe_preload() {
+  cudaFuncAttributes attrs;
+  cudaError_t err = cudaFuncGetAttributes(&attrs, fim::probe::wait_kernel);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attrs, fim::probe::signal_kernel);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attrs, fim::probe::pingpong_kernel);
+  return err;
+}
+
 int fim_probe_launch_wait(const int* flag, const int* payload, int token, uint64_t timeout_ns, int* result,
                           void* stream) {
   fim::probe::wait_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(flag, payload, token, timeout_ns, result);
