@@ -10,6 +10,19 @@ import time
 
 from . import __version__
 
+# Modules that register kernel families with the JIT; `build` and `env` import them all.
+KERNEL_MODULES = ("flashinfer_moe.moe.routing", "flashinfer_moe.comm.p2p_check")
+
+
+def _load_kernel_registry():
+    import importlib
+
+    from . import jit
+
+    for name in KERNEL_MODULES:
+        importlib.import_module(name)
+    return jit
+
 
 def _format_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -22,8 +35,9 @@ def _format_bytes(n: int) -> str:
 def cmd_env(args: argparse.Namespace) -> int:
     import torch
 
-    from . import jit, sysinfo
+    from . import sysinfo
 
+    jit = _load_kernel_registry()
     rows: list[tuple[str, str]] = [
         ("flashinfer-moe", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})"),
         ("python", platform.python_version()),
@@ -62,7 +76,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from . import jit
+    jit = _load_kernel_registry()
 
     arch = [a.strip() for a in args.arch.split(",")] if args.arch else jit.current_arch()
     names = args.kernel or sorted(jit.REGISTRY)

@@ -22,7 +22,7 @@ def test_env_reports_every_field(tmp_path):
     assert res.returncode == 0, res.stderr
     for key in ("flashinfer-moe", "torch", "driver", "nvcc", "NCCL", "cache dir", "kernels"):
         assert any(line.startswith(key) for line in res.stdout.splitlines()), (key, res.stdout)
-    assert "routing" in res.stdout
+    assert "probe, routing" in res.stdout
     assert ("GPU 0" in res.stdout) == torch.cuda.is_available()
 
 
@@ -72,7 +72,8 @@ def test_build_then_cached_then_clear(tmp_path):
     env = {"FLASHINFER_MOE_CACHE_DIR": str(tmp_path / "cache")}
     first = _cli("build", "--arch", "90a", env=env, timeout=900)
     assert first.returncode == 0, first.stderr
-    assert "compiling routing" in first.stderr and "compiled routing in" in first.stderr
+    for kernel in ("routing", "probe"):
+        assert f"compiling {kernel}" in first.stderr and f"compiled {kernel} in" in first.stderr
     second = _cli("build", "--arch", "90a", env=env)
     assert second.returncode == 0 and "compiling" not in second.stderr
     assert "routing" in _cli("env", env=env).stdout

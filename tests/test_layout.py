@@ -63,7 +63,10 @@ def test_import_compiles_nothing(tmp_path):
 
 def test_kernel_sources_ship_with_the_package():
     from flashinfer_moe import jit
+    from flashinfer_moe.cli import _load_kernel_registry
 
+    _load_kernel_registry()
+    assert {"routing", "probe"} <= set(jit.REGISTRY)
     root = jit.csrc_dir()
     for spec in jit.REGISTRY.values():
         for src in spec.sources:
