@@ -1,7 +1,9 @@
 """Plain-torch versions of every op: the oracle the kernels are tested against, and the CPU path.
 
 They favour clarity over speed, and fix the conventions the kernels must reproduce exactly (selection
-order, tie-breaking). Inputs are assumed validated by the public wrappers.
+order, tie-breaking, rounding). Routing lives here; quantization formats in ``reference_quant`` and the
+expert-major layouts, permute and combine in ``reference_layout``, all re-exported here so that this one
+module is the oracle. Inputs are assumed validated by the public wrappers.
 
 Dimension legend: ``T`` tokens, ``E`` experts, ``G`` expert groups, ``k`` top-k.
 """
@@ -10,7 +12,51 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["route", "stable_topk_indices"]
+from .reference_layout import (
+    combine,
+    moe_align_contiguous,
+    moe_align_masked,
+    permute,
+    permute_fp8_per_tensor,
+    permute_fp8_per_token_group,
+    permute_nvfp4,
+)
+from .reference_quant import (
+    dequantize_fp8_block,
+    dequantize_fp8_per_token_group,
+    dequantize_nvfp4,
+    e2m1_decode,
+    e2m1_encode,
+    pack_nibbles,
+    quantize_fp8_block_weights,
+    quantize_fp8_per_tensor,
+    quantize_fp8_per_token_group,
+    quantize_nvfp4,
+    unpack_nibbles,
+)
+
+__all__ = [
+    "combine",
+    "dequantize_fp8_block",
+    "dequantize_fp8_per_token_group",
+    "dequantize_nvfp4",
+    "e2m1_decode",
+    "e2m1_encode",
+    "moe_align_contiguous",
+    "moe_align_masked",
+    "pack_nibbles",
+    "permute",
+    "permute_fp8_per_tensor",
+    "permute_fp8_per_token_group",
+    "permute_nvfp4",
+    "quantize_fp8_block_weights",
+    "quantize_fp8_per_tensor",
+    "quantize_fp8_per_token_group",
+    "quantize_nvfp4",
+    "route",
+    "stable_topk_indices",
+    "unpack_nibbles",
+]
 
 
 def stable_topk_indices(values: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,2 +1,2 @@
-"""Single-GPU MoE ops (installed as ``flashinfer_moe.moe``): routing for now; permutation, quantization,
-grouped GEMMs and combine arrive with their own modules."""
+"""Single-GPU MoE ops (installed as ``flashinfer_moe.moe``): routing, expert-major layouts, permute with fused
+quantization, quantizers, and combine. Grouped GEMMs arrive with their own module."""

@@ -29,4 +29,6 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+__device__ __forceinline__ int warp_sum_int(int x) { return __reduce_add_sync(kFullMask, x); }
+
 }  // namespace fim

@@ -1,0 +1,189 @@
+// Permute with fused quantization: each token row is read once, quantized once, and written to every row
+// of the expert-major layout that holds one of its pairs (row_of[t, j] >= 0). With no row_of, row t goes to
+// row t: that is the plain quantizer.
+//
+// One block per token; each thread holds 8 consecutive elements (one 16-byte load of bf16/fp16, two of
+// fp32). FP8 group scales reduce over the group_size / 8 lanes of a group, NVFP4 block scales over a pair
+// of lanes; groups never straddle a warp because group_size divides 256.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/dtype.cuh"
+#include "common/quant.cuh"
+#include "common/vec.cuh"
+#include "common/warp.cuh"
+
+namespace fim {
+namespace permute {
+
+enum Mode : int { kCopy = 0, kFp8Group = 1, kFp8Tensor = 2, kNvfp4 = 3 };
+constexpr int kMaxTopK = 64;
+
+struct ScatterParams {
+  const void* in;  // [T, H], row stride in_stride elements
+  int64_t in_stride;
+  const int32_t* row_of;  // [T, k], or nullptr for row t -> row t (k = 1)
+  int top_k;
+  int hidden;
+  void* out;           // [rows, H] of T (copy) or bytes (fp8), [rows, H / 2] bytes (nvfp4)
+  void* scales;        // fp8 group: float [rows, H / group_size]; nvfp4: E4M3 bytes [rows, H / 16]
+  const float* scale;  // fp8 tensor: the dequantization scale; nvfp4: the global scale
+  int group_size;
+  int scale_pow2;
+};
+
+template <typename T, int MODE, bool VEC>
+__global__ void scatter_kernel(const ScatterParams p) {
+  __shared__ int32_t rows[kMaxTopK];
+  const int64_t t = blockIdx.x;
+  for (int j = threadIdx.x; j < p.top_k; j += blockDim.x) {
+    rows[j] = p.row_of != nullptr ? p.row_of[t * p.top_k + j] : static_cast<int32_t>(t);
+  }
+  __syncthreads();
+  bool any = false;
+  for (int j = 0; j < p.top_k; ++j) any |= rows[j] >= 0;
+  if (!any) return;  // no pair of this token lives here: skip reading it
+
+  const T* src = static_cast<const T*>(p.in) + t * p.in_stride;
+  const int H = p.hidden;
+  if constexpr (!VEC) {  // unaligned rows or H % 8 != 0: element by element (copy and FP8 per-tensor only)
+    const float scale = MODE == kFp8Tensor ? *p.scale : 1.0f;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+      const T v = src[c];
+      for (int j = 0; j < p.top_k; ++j) {
+        if (rows[j] < 0) continue;
+        const int64_t at = static_cast<int64_t>(rows[j]) * H + c;
+        if constexpr (MODE == kCopy) {
+          static_cast<T*>(p.out)[at] = v;
+        } else {
+          static_cast<uint8_t*>(p.out)[at] = fp8(__fdiv_rn(to_float(v), scale));
+        }
+      }
+    }
+    return;
+  } else {
+    float global_scale = 0.0f;
+    if constexpr (MODE == kFp8Tensor || MODE == kNvfp4) global_scale = *p.scale;
+    const int lane = threadIdx.x & 31;
+    // Uniform trip count, so every lane takes part in the group shuffles; idle lanes hold zeros.
+    for (int base = 0; base < H; base += blockDim.x * 8) {
+      const int c = base + threadIdx.x * 8;
+      const bool active = c < H;
+      Vec8<T> raw{};
+      if (active) raw = load8(src + c);
+      if constexpr (MODE == kCopy) {
+        if (!active) continue;
+        for (int j = 0; j < p.top_k; ++j) {
+          if (rows[j] >= 0) store8(static_cast<T*>(p.out) + static_cast<int64_t>(rows[j]) * H + c, raw);
+        }
+        continue;
+      }
+      float v[8];
+      widen8(raw, v);
+      if constexpr (MODE == kFp8Group || MODE == kFp8Tensor) {
+        float scale = global_scale;
+        if constexpr (MODE == kFp8Group) {
+          float amax = 0.0f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+          for (int offset = 1; offset < p.group_size / 8; offset <<= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+          }
+          scale = scale_from_amax(amax, kFp8Max);
+          if (p.scale_pow2) scale = round_up_pow2(scale);
+        }
+        if (!active) continue;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fdiv_rn(v[i], scale);
+        const uint2 q = fp8x8(v);
+        const bool leader = MODE == kFp8Group && (lane & (p.group_size / 8 - 1)) == 0;
+        const int groups = H / p.group_size;
+        for (int j = 0; j < p.top_k; ++j) {
+          if (rows[j] < 0) continue;
+          const int64_t r = rows[j];
+          *reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.out) + r * H + c) = q;
+          if (leader) static_cast<float*>(p.scales)[r * groups + c / p.group_size] = scale;
+        }
+      } else {  // kNvfp4
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+        if (!active) continue;
+        const uint8_t block_scale = nvfp4_block_scale(amax, global_scale);
+        const uint32_t packed = nvfp4x8(v, __fmul_rn(fp8_to_float(block_scale), global_scale));
+        for (int j = 0; j < p.top_k; ++j) {
+          if (rows[j] < 0) continue;
+          const int64_t r = rows[j];
+          *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(p.out) + r * (H / 2) + c / 2) = packed;
+          if ((lane & 1) == 0) static_cast<uint8_t*>(p.scales)[r * (H / 16) + c / 16] = block_scale;
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int MODE, bool VEC>
+cudaError_t launch(const ScatterParams& p, int64_t num_tokens, cudaStream_t s) {
+  const int per_thread = VEC ? 8 : 1;
+  int threads = (p.hidden + per_thread - 1) / per_thread;
+  threads = threads < 32 ? 32 : threads > 1024 ? 1024 : (threads + 31) / 32 * 32;
+  scatter_kernel<T, MODE, VEC><<<static_cast<unsigned>(num_tokens), threads, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_mode(const ScatterParams& p, int mode, bool vec, int64_t num_tokens, cudaStream_t s) {
+  switch (mode) {
+    case kCopy:
+      return vec ? launch<T, kCopy, true>(p, num_tokens, s) : launch<T, kCopy, false>(p, num_tokens, s);
+    case kFp8Group:
+      return vec ? launch<T, kFp8Group, true>(p, num_tokens, s) : cudaErrorInvalidValue;
+    case kFp8Tensor:
+      return vec ? launch<T, kFp8Tensor, true>(p, num_tokens, s) : launch<T, kFp8Tensor, false>(p, num_tokens, s);
+    case kNvfp4:
+      return vec ? launch<T, kNvfp4, true>(p, num_tokens, s) : cudaErrorInvalidValue;
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace permute
+}  // namespace fim
+
+extern "C" {
+
+// Returns a cudaError_t; 0 on success. Arguments are validated in Python (flashinfer_moe/moe/permute.py).
+// mode: 0 copy, 1 FP8 per-token-group, 2 FP8 per-tensor, 3 NVFP4. vec: rows are 16-byte aligned and H % 8 == 0
+// (required by the quantizing modes).
+int fim_permute(const void* in, int dtype, int64_t in_stride, const int32_t* row_of, int top_k, int64_t num_tokens,
+                int hidden, int mode, int vec, void* out, void* scales, const float* scale, int group_size,
+                int scale_pow2, void* stream) {
+  using namespace fim::permute;
+  if (num_tokens == 0 || hidden == 0) return 0;
+  if (num_tokens < 0 || num_tokens > INT32_MAX || top_k < 1 || top_k > kMaxTopK || hidden < 0 ||
+      (row_of == nullptr && top_k != 1)) {
+    return cudaErrorInvalidValue;
+  }
+  if (mode == kFp8Group && (group_size < 8 || group_size > 256 || (group_size & (group_size - 1)) != 0 ||
+                            hidden % group_size != 0)) {
+    return cudaErrorInvalidValue;
+  }
+  if (mode == kNvfp4 && hidden % 16 != 0) return cudaErrorInvalidValue;
+  ScatterParams p{in, in_stride, row_of, top_k, hidden, out, scales, scale, group_size, scale_pow2};
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case fim::kFloat32:
+      return launch_mode<float>(p, mode, vec != 0, num_tokens, s);
+    case fim::kFloat16:
+      return launch_mode<__half>(p, mode, vec != 0, num_tokens, s);
+    case fim::kBFloat16:
+      return launch_mode<__nv_bfloat16>(p, mode, vec != 0, num_tokens, s);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,53 @@
+"""The ``permute`` and ``quant`` kernel families: JIT specs, C signatures, and small launch helpers."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from flashinfer_moe._ops import kernel_library
+from flashinfer_moe.jit import KernelSpec, register
+
+PERMUTE_SPEC = register(KernelSpec("permute", ("permute/align.cu", "permute/scatter.cu", "permute/combine.cu")))
+QUANT_SPEC = register(KernelSpec("quant", ("quant/quant.cu",)))
+
+_vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_PERMUTE_SIGNATURES = {
+    "fim_moe_align_workspace": ([_i64, _int], _i64),
+    "fim_moe_align": ([_vp, _int, _i64, _int, _int, _int, _vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp], _int),
+    "fim_permute": (
+        [_vp, _int, _i64, _vp, _int, _i64, _int, _int, _int, _vp, _vp, _vp, _int, _int, _vp],
+        _int,
+    ),
+    "fim_combine": ([_vp, _int, _vp, _vp, _vp, _vp, _int, _i64, _int, _int, _float, _int, _int, _vp], _int),
+}
+_QUANT_SIGNATURES = {
+    "fim_amax_scale": ([_vp, _int, _i64, _int, _vp, _float, _vp], _int),
+    "fim_quantize_fp8_block": ([_vp, _int, _i64, _i64, _i64, _int, _int, _vp, _vp, _vp], _int),
+    "fim_dequantize_nvfp4": ([_vp, _vp, _vp, _i64, _vp, _vp], _int),
+}
+
+# Modes of fim_permute, as in csrc/permute/scatter.cu.
+COPY, FP8_GROUP, FP8_TENSOR, NVFP4 = 0, 1, 2, 3
+# Limits of the kernels, applied on every device so that CPU and GPU accept the same inputs.
+MAX_EXPERTS = 1024
+MAX_TOP_K = 64
+
+
+def permute_lib() -> ctypes.CDLL:
+    return kernel_library("permute", _PERMUTE_SIGNATURES)
+
+
+def quant_lib() -> ctypes.CDLL:
+    return kernel_library("quant", _QUANT_SIGNATURES)
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def aligned16(t: torch.Tensor) -> bool:
+    """Rows of ``t`` (2-D, unit last stride) can be moved as 16-byte vectors of 8 elements."""
+    row_bytes = t.stride(0) * t.element_size() if t.dim() > 1 and t.shape[0] > 1 else 0
+    return t.data_ptr() % 16 == 0 and row_bytes % 16 == 0 and t.shape[-1] % 8 == 0 and t.stride(-1) == 1
