@@ -73,14 +73,19 @@ step "probe"
   echo "(exit $rc, about ${SECONDS} s wall)"
 } 2>&1 | tee "$LOG/probe.txt"
 
-step "SASS of the routing kernel (resource usage)"
-so=$(find "$FLASHINFER_MOE_CACHE_DIR" -name 'librouting.so' | head -1)
-[ -n "$so" ] && cuobjdump --dump-resource-usage "$so" 2>&1 | grep -E "Function|REG" | head -20 | tee -a "$LOG/jit.txt"
+step "kernels' resource usage (registers, stack, shared memory)"
+for so in $(find "$FLASHINFER_MOE_CACHE_DIR" -name 'lib*.so' | sort); do
+  echo "--- $(basename "$so")"
+  cuobjdump --dump-resource-usage "$so" 2>&1 | grep -E "Function|REG" | head -60
+done | tee -a "$LOG/jit.txt"
 
-step "benchmark: routing"
 if [ "$QUICK" != "--no-bench" ]; then
+  step "benchmark: routing"
   if [ "$QUICK" = "--quick" ]; then extra="--tokens 1,4096 --models deepseek_v3 --no-compile"; else extra=""; fi
   $PY "$REPO/launch/bench_routing.py" $extra --markdown "$LOG/bench_routing.md" --json "$LOG/bench_routing.json"
+  [ $? = 0 ] || status=1
+  step "benchmark: layout, permute and combine"
+  $PY "$REPO/launch/bench_permute.py" --markdown "$LOG/bench_permute.md" --json "$LOG/bench_permute.json"
   [ $? = 0 ] || status=1
 fi
 

@@ -14,8 +14,7 @@ QUANT_SPEC = register(KernelSpec("quant", ("quant/quant.cu",)))
 
 _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _PERMUTE_SIGNATURES = {
-    "fim_moe_align_workspace": ([_i64, _int], _i64),
-    "fim_moe_align": ([_vp, _int, _i64, _int, _int, _int, _vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp], _int),
+    "fim_moe_align": ([_vp, _int, _i64, _int, _int, _int, _vp, _i64, _vp, _vp, _vp, _vp, _i64, _vp, _vp], _int),
     "fim_permute": (
         [_vp, _int, _i64, _vp, _int, _i64, _int, _int, _int, _vp, _vp, _vp, _int, _int, _vp],
         _int,
@@ -33,6 +32,8 @@ COPY, FP8_GROUP, FP8_TENSOR, NVFP4 = 0, 1, 2, 3
 # Limits of the kernels, applied on every device so that CPU and GPU accept the same inputs.
 MAX_EXPERTS = 1024
 MAX_TOP_K = 64
+# Rows of per-chunk expert counts the layout kernel may use (csrc/permute/align.cu checks the size).
+ALIGN_WORKSPACE_CHUNKS = 265
 
 
 def permute_lib() -> ctypes.CDLL:

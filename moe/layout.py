@@ -16,7 +16,7 @@ from flashinfer_moe import reference_layout as ref
 from flashinfer_moe._ops import LIB, check_launch, on_device, stream_of
 from flashinfer_moe.layout import ExpertLayout, contiguous_rows
 
-from ._kernels import MAX_EXPERTS, permute_lib
+from ._kernels import ALIGN_WORKSPACE_CHUNKS, MAX_EXPERTS, permute_lib
 
 __all__ = ["moe_align_contiguous", "moe_align_masked"]
 
@@ -54,6 +54,7 @@ def _align_cuda(ids, workspace, tokens_per_expert, expert_offsets, row_of, sourc
             block_rows,
             capacity,
             workspace.data_ptr(),
+            workspace.numel(),
             tokens_per_expert.data_ptr(),
             expert_offsets.data_ptr(),
             row_of.data_ptr(),
@@ -87,7 +88,7 @@ def _checking() -> bool:
 def _build(ids: torch.Tensor, num_experts: int, block_rows: int, capacity: int, num_rows: int, validate: bool):
     device = ids.device
     i32 = dict(dtype=torch.int32, device=device)
-    workspace_ints = permute_lib().fim_moe_align_workspace(ids.numel(), num_experts) if device.type == "cuda" else 0
+    workspace_ints = ALIGN_WORKSPACE_CHUNKS * num_experts if device.type == "cuda" else 0
     layout = ExpertLayout(
         kind="contiguous" if capacity < 0 else "masked",
         num_experts=num_experts,

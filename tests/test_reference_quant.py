@@ -1,5 +1,5 @@
-"""CPU tier for the quantization and layout references: hand-checked bits, error bounds against float64,
-layouts against a brute-force construction, and the argument checks."""
+"""CPU tier for the quantization references: hand-checked bits, error bounds against float64, and the argument
+checks. The layout, permute and combine references are tested in test_reference_layout.py."""
 
 import math
 import os
@@ -267,163 +267,9 @@ def test_fp8_block_weights(rng, shape, block):
     assert ((out - w.double()).abs() <= fp8_bound(w.double(), scale)).all(), f"seed={seed}"
 
 
-# --------------------------------------------------------------------------------------------- layouts
-
-IDS = [[0, 2], [2, -1], [3, 0]]  # E = 4, T = 3, k = 2; expert 1 gets nothing, one id is off this GPU
-
-
-@pytest.mark.parametrize(
-    "block_rows, offsets, row_of, source_of",
-    [
-        (1, [0, 2, 2, 4, 5], [[0, 2], [3, -1], [4, 1]], [0, 5, 1, 2, 4]),
-        (4, [0, 4, 4, 8, 12], [[0, 4], [5, -1], [8, 1]], [0, 5, -1, -1, 1, 2, -1, -1, 4, -1, -1, -1]),
-    ],
-)
-@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
-def test_align_hand_checked(block_rows, offsets, row_of, source_of, id_dtype):
-    layout = rq.moe_align(torch.tensor(IDS, dtype=id_dtype), 4, block_rows)
-    assert all(v.dtype == torch.int32 for v in layout.values())
-    assert layout["tokens_per_expert"].tolist() == [2, 0, 2, 1]
-    assert layout["expert_offsets"].tolist() == offsets
-    assert layout["row_of"].tolist() == row_of
-    assert layout["source_of"].tolist() == source_of
-
-
-def test_masked_hand_checked(rng):
-    seed, g = rng
-    h = randn(g, 3, 5) + 3  # never zero
-    out, counts, overflow = rq.permute_masked(h, torch.tensor(IDS), 4, 1)
-    assert counts.tolist() == [1, 0, 1, 1] and counts.dtype == torch.int32
-    assert overflow == 2  # flat entries 5 (expert 0) and 2 (expert 2) find no slot
-    assert torch.equal(out[0, 0], h[0]) and torch.equal(out[2, 0], h[0]) and torch.equal(out[3, 0], h[2])
-    assert (out[1] == 0).all()
-    out, counts, overflow = rq.permute_masked(h, torch.tensor(IDS), 4, 3)
-    assert counts.tolist() == [2, 0, 2, 1] and overflow == 0
-    assert torch.equal(out[0, 1], h[2]) and torch.equal(out[2, 1], h[1]) and (out[0, 2] == 0).all()
-
-
-def random_ids(g, num_tokens, top_k, num_experts, kind):
-    if kind == "one_expert":
-        return torch.full((num_tokens, top_k), num_experts - 1, dtype=torch.int32)
-    # distinct experts per token from the upper half only (the lower half gets nothing), some ids -1
-    ids = torch.rand(num_tokens, num_experts, generator=g).argsort(-1)[:, :top_k] % num_experts
-    ids = torch.where(ids < num_experts // 2, -1, ids) if kind == "holes" else ids
-    return ids.to(torch.int32)
-
-
-def brute_force(ids, num_experts, block_rows):
-    flat = ids.reshape(-1).tolist()
-    source, row_of, offsets = [], [-1] * len(flat), [0]
-    for e in range(num_experts):
-        members = [i for i, x in enumerate(flat) if x == e]
-        for i in members:
-            row_of[i] = len(source)
-            source.append(i)
-        source += [-1] * (-len(members) % block_rows)
-        offsets.append(len(source))
-    return offsets, row_of, source
-
-
-SHAPES = [(1, 1, 4), (3, 2, 4), (1000, 4, 16), (37, 8, 9)]  # (T, k, E)
-
-
-@pytest.mark.parametrize("num_tokens, top_k, num_experts", SHAPES)
-@pytest.mark.parametrize("kind", ["spread", "holes", "one_expert"])
-@pytest.mark.parametrize("block_rows", [1, 4, 128])
-def test_align_against_brute_force(rng, num_tokens, top_k, num_experts, kind, block_rows):
-    seed, g = rng
-    ids = random_ids(g, num_tokens, top_k, num_experts, kind)
-    layout = rq.moe_align(ids, num_experts, block_rows)
-    offsets, row_of, source = brute_force(ids, num_experts, block_rows)
-    msg = f"seed={seed}"
-    assert layout["expert_offsets"].tolist() == offsets, msg
-    assert layout["row_of"].reshape(-1).tolist() == row_of, msg
-    assert layout["source_of"].tolist() == source, msg
-    assert layout["tokens_per_expert"].tolist() == [(ids == e).sum().item() for e in range(num_experts)], msg
-
-
-TOLS = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-300)).item()
-
-
-@pytest.mark.parametrize("num_tokens, top_k, num_experts", SHAPES)
-@pytest.mark.parametrize("hidden_size", [1, 72, 200])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["holes", "one_expert"])
-def test_permute_combine_against_float64(rng, num_tokens, top_k, num_experts, hidden_size, dtype, kind):
-    seed, g = rng
-    msg = f"seed={seed}"
-    ids = random_ids(g, num_tokens, top_k, num_experts, kind)
-    hidden = randn(g, num_tokens, hidden_size, dtype=dtype)
-    weights = torch.rand(num_tokens, top_k, generator=g) + 0.1
-    residual = randn(g, num_tokens, hidden_size, dtype=dtype)
-    # "Expert e" multiplies by (e + 1), so that a row read from the wrong expert shows.
-    factor = torch.where(ids >= 0, ids + 1, 0).double() * weights.double()  # [T, k]
-    ref = factor.sum(-1, keepdim=True) * hidden.double()
-    ref_full = ref * 1.5 + residual.double()
-
-    layout = rq.moe_align(ids, num_experts, 4)
-    y = rq.permute_contiguous(hidden, layout)
-    assert y.dtype == dtype and y.shape == (layout["expert_offsets"][-1].item(), hidden_size), msg
-    assert (y[layout["source_of"] < 0] == 0).all(), msg
-    expert_of_row = torch.searchsorted(layout["expert_offsets"].long(), torch.arange(y.shape[0]), right=True) - 1
-    y = (y.double() * (expert_of_row + 1).unsqueeze(-1)).to(dtype)
-    out = rq.combine_contiguous(y, weights, layout)
-    assert out.dtype == dtype and rel_err(out, ref) < TOLS[dtype], msg
-    out = rq.combine_contiguous(
-        y, weights, layout, routed_scaling_factor=1.5, residual=residual, out_dtype=torch.float32
-    )
-    assert out.dtype == torch.float32 and rel_err(out, ref_full) < TOLS[dtype], msg
-
-    capacity = num_tokens * top_k  # room for everyone
-    ym, counts, overflow = rq.permute_masked(hidden, ids, num_experts, capacity)
-    assert overflow == 0 and counts.tolist() == layout["tokens_per_expert"].tolist(), msg
-    ym = (ym.double() * torch.arange(1, num_experts + 1).double().view(-1, 1, 1)).to(dtype)
-    out = rq.combine_masked(ym, weights, ids, capacity, routed_scaling_factor=1.5, residual=residual)
-    assert out.dtype == dtype and rel_err(out, ref_full) < TOLS[dtype], msg
-
-
-@pytest.mark.parametrize("num_tokens, top_k, num_experts", SHAPES)
-def test_masked_overflow_against_brute_force(rng, num_tokens, top_k, num_experts):
-    seed, g = rng
-    msg = f"seed={seed}"
-    ids = random_ids(g, num_tokens, top_k, num_experts, "holes")
-    capacity = max(1, num_tokens * top_k // (2 * num_experts))
-    hidden = randn(g, num_tokens, 24) + 5
-    out, counts, overflow = rq.permute_masked(hidden, ids, num_experts, capacity)
-    assert out.shape == (num_experts, capacity, 24), msg
-    _, _, source = brute_force(ids, num_experts, 1)
-    expected = torch.zeros(num_experts, capacity, 24)
-    seen, dropped, kept = [0] * num_experts, 0, torch.zeros(ids.shape, dtype=torch.bool)
-    for i in source:
-        e = int(ids.view(-1)[i])
-        if seen[e] < capacity:
-            expected[e, seen[e]] = hidden[i // top_k]
-            kept.view(-1)[i] = True
-            seen[e] += 1
-        else:
-            dropped += 1
-    assert torch.equal(out, expected) and counts.tolist() == seen and overflow == dropped, msg
-    weights = torch.rand(num_tokens, top_k, generator=g)
-    ref = (weights.double() * kept).sum(-1, keepdim=True) * hidden.double()  # dropped entries add nothing
-    assert rel_err(rq.combine_masked(out, weights, ids, capacity), ref) < 1e-5, msg
-
-
-def test_combine_skips_minus_one_even_if_row_is_not_finite():
-    layout = rq.moe_align(torch.tensor([[0, -1]]), 2)
-    y = torch.full((1, 3), 2.0)
-    out = rq.combine_contiguous(y, torch.tensor([[0.5, math.nan]]), layout)
-    assert out.tolist() == [[1.0, 1.0, 1.0]]
-
-
 # ------------------------------------------------------------------------------------------- bad input
 
 _x16 = torch.ones(2, 32)
-_ids = torch.tensor(IDS)
-_layout = rq.moe_align(_ids, 4)
 _meta = torch.device("meta")
 BAD = {
     "nvfp4 K": (lambda: rq.quantize_nvfp4(torch.ones(2, 24)), ValueError, "x"),
@@ -470,36 +316,6 @@ BAD = {
         "weight_scale_inv",
     ),
     "fp8 block w 1-D": (lambda: rq.quantize_fp8_block_weights(torch.ones(128)), ValueError, "w"),
-    "ids dtype": (lambda: rq.moe_align(_ids.float(), 4), TypeError, "topk_ids"),
-    "ids 1-D": (lambda: rq.moe_align(_ids.view(-1), 4), ValueError, "topk_ids"),
-    "ids too large": (lambda: rq.moe_align(_ids, 3), ValueError, "topk_ids"),
-    "ids below -1": (lambda: rq.moe_align(_ids - 1, 8), ValueError, "topk_ids"),
-    "block_rows": (lambda: rq.moe_align(_ids, 4, 0), ValueError, "block_rows"),
-    "num_experts": (lambda: rq.moe_align(_ids, 4.0), TypeError, "num_experts"),
-    "hidden tokens": (lambda: rq.permute_contiguous(torch.ones(4, 8), _layout), ValueError, "hidden"),
-    "masked ids tokens": (lambda: rq.permute_masked(torch.ones(4, 8), _ids, 4, 2), ValueError, "topk_ids"),
-    "masked ids device": (lambda: rq.permute_masked(torch.ones(3, 8), _ids.to(_meta), 4, 2), ValueError, "topk_ids"),
-    "y rows": (lambda: rq.combine_contiguous(torch.ones(4, 8), torch.ones(3, 2), _layout), ValueError, "y"),
-    "weights shape": (
-        lambda: rq.combine_contiguous(torch.ones(5, 8), torch.ones(3, 3), _layout),
-        ValueError,
-        "topk_weights",
-    ),
-    "weights device": (
-        lambda: rq.combine_contiguous(torch.ones(5, 8), torch.ones(3, 2, device=_meta), _layout),
-        ValueError,
-        "topk_weights",
-    ),
-    "residual shape": (
-        lambda: rq.combine_contiguous(torch.ones(5, 8), torch.ones(3, 2), _layout, residual=torch.ones(3, 7)),
-        ValueError,
-        "residual",
-    ),
-    "masked capacity": (
-        lambda: rq.combine_masked(torch.ones(4, 2, 8), torch.ones(3, 2), _ids, 3),
-        ValueError,
-        "capacity",
-    ),
 }
 
 
@@ -525,11 +341,6 @@ def _bits(t):
 def test_cuda_matches_cpu_bit_for_bit(rng):
     seed, g = rng
     x = randn(g, 37, 512) * torch.exp(randn(g, 37, 1) * 3)
-    ids = (torch.rand(37, 16, generator=g).argsort(-1)[:, :4] - 2).clamp(min=-1).int()
-    w = torch.rand(37, 4, generator=g)
-    layout = rq.moe_align(ids, 16, 8)
-    y = rq.permute_contiguous(x, layout)
-    masked = rq.permute_masked(x, ids, 16, 5)
     calls = {
         "group": lambda d: rq.quantize_fp8_per_token_group(x.to(d)),
         "group pow2": lambda d: rq.quantize_fp8_per_token_group(x.to(d), scale_pow2=True),
@@ -537,13 +348,6 @@ def test_cuda_matches_cpu_bit_for_bit(rng):
         "block": lambda d: rq.quantize_fp8_block_weights(x.view(1, 37, 512).to(d)),
         "nvfp4": lambda d: rq.quantize_nvfp4(x.to(d)),
         "nvfp4 round trip": lambda d: rq.dequantize_nvfp4(*rq.quantize_nvfp4(x.to(d))),
-        "align": lambda d: tuple(rq.moe_align(ids.to(d), 16, 8).values()),
-        "permute": lambda d: rq.permute_contiguous(x.to(d), rq.moe_align(ids.to(d), 16, 8)),
-        "combine": lambda d: rq.combine_contiguous(
-            y.to(d), w.to(d), rq.moe_align(ids.to(d), 16, 8), routed_scaling_factor=2.5, residual=x.to(d)
-        ),
-        "masked": lambda d: rq.permute_masked(x.to(d), ids.to(d), 16, 5)[:2],
-        "combine masked": lambda d: rq.combine_masked(masked[0].to(d), w.to(d), ids.to(d), 5),
     }
     for name, call in calls.items():
         cpu, cuda = call("cpu"), call("cuda")

@@ -9,7 +9,8 @@
 //              same expert in the chunk, and writes row_of / source_of.
 // Inside a warp, pairs with the same expert in one 32-pair step are found with __match_any_sync, and their
 // order is the lane order, so ranks follow the pair order exactly. Small batches run the three phases in
-// one block (one launch); large ones as three grid-wide launches.
+// one block (one launch); large ones as three grid-wide launches. Every shared-memory size stays under 48 KiB,
+// so no launch needs an attribute call (which CUDA-graph capture would refuse).
 
 #include <cuda_runtime.h>
 
@@ -21,11 +22,13 @@ namespace fim {
 namespace align {
 
 constexpr int kWarpsPerBlock = 4;     // multi-launch phases 1 and 3
-constexpr int kFusedWarps = 8;        // the one-block path
+constexpr int kMaxFusedWarps = 32;    // the one-block path
 constexpr int kScanThreads = 1024;    // multi-launch phase 2
-constexpr int kMaxExperts = 1024;     // per-warp shared counters: warps * E ints
-constexpr int64_t kFusedMaxPairs = 16384;
-constexpr int kTargetChunks = 264;    // two warps per SM on a 132-SM GPU
+constexpr int kMaxExperts = 1024;
+constexpr int kSmemBudget = 44 * 1024;  // under the 48 KiB that needs no opt-in (an opt-in cannot be captured)
+constexpr int kPairsPerFusedWarp = 1024;
+constexpr int kTargetChunks = 264;  // two warps per SM on a 132-SM GPU
+constexpr int kBatch = 8;           // 32-pair steps whose id loads are issued together
 
 struct AlignParams {
   const void* ids;  // [N] int32 or int64, N = T * k
@@ -39,15 +42,40 @@ struct AlignParams {
   int32_t* tokens_per_expert;  // [E]
   int32_t* expert_offsets;     // [E + 1]
   int32_t* row_of;             // [N]
-  int32_t* source_of;          // [rows], preset to -1
-  int32_t* status;             // [2]: overflow, invalid ids; preset to 0
+  int32_t* source_of;          // [num_rows]
+  int64_t num_rows;
+  int32_t* status;  // [2]: overflow, invalid ids
 };
 
+// Loads this lane's ids of kBatch consecutive 32-pair steps at once (one memory latency instead of kBatch);
+// ids outside [-1, E) become -1 and are flagged.
 template <typename IdT>
-__device__ __forceinline__ int load_id(const AlignParams& p, int64_t i, bool* invalid) {
-  const int64_t v = static_cast<const IdT*>(p.ids)[i];
-  *invalid = v < -1 || v >= p.num_experts;
-  return *invalid ? -1 : static_cast<int>(v);
+__device__ __forceinline__ void load_batch(const AlignParams& p, int64_t base, int64_t end, int (&e)[kBatch],
+                                           unsigned* invalid_mask) {
+  const int lane = threadIdx.x & 31;
+  IdT v[kBatch];
+#pragma unroll
+  for (int b = 0; b < kBatch; ++b) {
+    const int64_t i = base + b * 32 + lane;
+    v[b] = i < end ? static_cast<const IdT*>(p.ids)[i] : IdT(-1);
+  }
+  *invalid_mask = 0;
+#pragma unroll
+  for (int b = 0; b < kBatch; ++b) {
+    const bool bad = v[b] < -1 || v[b] >= p.num_experts;
+    *invalid_mask |= static_cast<unsigned>(bad) << b;
+    e[b] = bad ? -1 : static_cast<int>(v[b]);
+  }
+}
+
+// source_of = -1 and status = 0, by the threads of the first `blocks` blocks, before any pair is placed.
+__device__ void reset_outputs(const AlignParams& p, int blocks) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(blocks) * blockDim.x;
+  const int64_t vectors = p.num_rows / 4;  // torch allocations are 16-byte aligned
+  for (int64_t i = first; i < vectors; i += stride) reinterpret_cast<int4*>(p.source_of)[i] = make_int4(-1, -1, -1, -1);
+  for (int64_t i = vectors * 4 + first; i < p.num_rows; i += stride) p.source_of[i] = -1;
+  if (first == 0) p.status[0] = p.status[1] = 0;
 }
 
 // Phase 1 for chunk c, by one warp; hist is this warp's E shared counters.
@@ -58,13 +86,16 @@ __device__ void count_chunk(const AlignParams& p, int c, int* hist) {
   __syncwarp();
   const int64_t begin = static_cast<int64_t>(c) * p.chunk;
   const int64_t end = min(begin + p.chunk, p.num_pairs);
-  for (int64_t base = begin; base < end; base += 32) {
-    const int64_t i = base + lane;
-    bool invalid;
-    const int e = i < end ? load_id<IdT>(p, i, &invalid) : -1;
-    const unsigned peers = __match_any_sync(kFullMask, e);
-    if (e >= 0 && lane == 31 - __clz(peers)) hist[e] += __popc(peers);
-    __syncwarp();
+  for (int64_t base = begin; base < end; base += 32 * kBatch) {
+    int e[kBatch];
+    unsigned invalid;
+    load_batch<IdT>(p, base, end, e, &invalid);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const unsigned peers = __match_any_sync(kFullMask, e[b]);
+      if (e[b] >= 0 && lane == 31 - __clz(peers)) hist[e[b]] += __popc(peers);
+      __syncwarp();
+    }
   }
   int32_t* out = p.chunk_counts + static_cast<int64_t>(c) * p.num_experts;
   for (int e = lane; e < p.num_experts; e += 32) out[e] = hist[e];
@@ -108,15 +139,20 @@ __device__ int block_exclusive_scan(int* data, int n, int* warp_sums) {
 
 // Phase 2, by one block. totals: E shared ints; warp_sums: 32 shared ints.
 __device__ void scan_experts(const AlignParams& p, int* totals, int* warp_sums) {
+  constexpr int kGroup = 8;  // chunk counts loaded together, then prefix-summed
   const int E = p.num_experts;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int running = 0;
     int32_t* col = p.chunk_counts + e;
-#pragma unroll 8
-    for (int c = 0; c < p.num_chunks; ++c) {
-      const int v = col[static_cast<int64_t>(c) * E];
-      col[static_cast<int64_t>(c) * E] = running;
-      running += v;
+    for (int c0 = 0; c0 < p.num_chunks; c0 += kGroup) {
+      int v[kGroup];
+#pragma unroll
+      for (int u = 0; u < kGroup; ++u) v[u] = c0 + u < p.num_chunks ? col[static_cast<int64_t>(c0 + u) * E] : 0;
+#pragma unroll
+      for (int u = 0; u < kGroup; ++u) {
+        if (c0 + u < p.num_chunks) col[static_cast<int64_t>(c0 + u) * E] = running;
+        running += v[u];
+      }
     }
     totals[e] = running;
   }
@@ -153,47 +189,53 @@ __device__ void rank_chunk(const AlignParams& p, int c, int* next) {
   const unsigned lower_lanes = (1u << lane) - 1u;
   const int64_t begin = static_cast<int64_t>(c) * p.chunk;
   const int64_t end = min(begin + p.chunk, p.num_pairs);
-  for (int64_t base = begin; base < end; base += 32) {
-    const int64_t i = base + lane;
-    bool invalid = false;
-    const int e = i < end ? load_id<IdT>(p, i, &invalid) : -1;
-    if (invalid) atomicAdd(p.status + 1, 1);
-    const unsigned peers = __match_any_sync(kFullMask, e);
-    const int rank = e >= 0 ? next[e] + __popc(peers & lower_lanes) : -1;
-    __syncwarp();  // every lane has read next[e] before its leader moves it on
-    if (e >= 0 && lane == 31 - __clz(peers)) next[e] += __popc(peers);
-    __syncwarp();
-    if (i < end) {
-      int row = -1;
-      if (e >= 0) {
-        if (p.capacity < 0) {
-          row = p.expert_offsets[e] + rank;
-        } else if (rank < p.capacity) {
-          row = e * p.capacity + rank;
+  for (int64_t base = begin; base < end; base += 32 * kBatch) {
+    int e[kBatch];
+    unsigned invalid;
+    load_batch<IdT>(p, base, end, e, &invalid);
+    if (invalid) atomicAdd(p.status + 1, __popc(invalid));
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t i = base + b * 32 + lane;
+      const unsigned peers = __match_any_sync(kFullMask, e[b]);
+      const int rank = e[b] >= 0 ? next[e[b]] + __popc(peers & lower_lanes) : -1;
+      __syncwarp();  // every lane has read next[e] before its leader moves it on
+      if (e[b] >= 0 && lane == 31 - __clz(peers)) next[e[b]] += __popc(peers);
+      __syncwarp();
+      if (i < end) {
+        int row = -1;
+        if (e[b] >= 0) {
+          if (p.capacity < 0) {
+            row = p.expert_offsets[e[b]] + rank;
+          } else if (rank < p.capacity) {
+            row = e[b] * p.capacity + rank;
+          }
         }
+        p.row_of[i] = row;
+        if (row >= 0) p.source_of[row] = static_cast<int32_t>(i);
       }
-      p.row_of[i] = row;
-      if (row >= 0) p.source_of[row] = static_cast<int32_t>(i);
     }
   }
 }
 
 template <typename IdT>
-__global__ void __launch_bounds__(kFusedWarps * 32) align_fused_kernel(const AlignParams p) {
-  extern __shared__ int smem[];  // kFusedWarps * E counters, E totals, 32 warp sums
-  const int warp = threadIdx.x >> 5;
+__global__ void __launch_bounds__(kMaxFusedWarps * 32) align_fused_kernel(const AlignParams p) {
+  extern __shared__ int smem[];  // warps * E counters, E totals, 32 warp sums
+  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   int* mine = smem + warp * p.num_experts;
-  int* totals = smem + kFusedWarps * p.num_experts;
-  for (int c = warp; c < p.num_chunks; c += kFusedWarps) count_chunk<IdT>(p, c, mine);
-  __syncthreads();
+  int* totals = smem + warps * p.num_experts;
+  reset_outputs(p, 1);
+  for (int c = warp; c < p.num_chunks; c += warps) count_chunk<IdT>(p, c, mine);
+  __syncthreads();  // also orders the resets before phase 3's writes
   scan_experts(p, totals, totals + p.num_experts);
   __syncthreads();
-  for (int c = warp; c < p.num_chunks; c += kFusedWarps) rank_chunk<IdT>(p, c, mine);
+  for (int c = warp; c < p.num_chunks; c += warps) rank_chunk<IdT>(p, c, mine);
 }
 
 template <typename IdT>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) align_count_kernel(const AlignParams p) {
   extern __shared__ int smem[];
+  reset_outputs(p, gridDim.x);  // phase 3 is a later launch, so these land first
   const int c = blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
   if (c < p.num_chunks) count_chunk<IdT>(p, c, smem + (threadIdx.x >> 5) * p.num_experts);
 }
@@ -210,32 +252,25 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) align_rank_kernel(const A
   if (c < p.num_chunks) rank_chunk<IdT>(p, c, smem + (threadIdx.x >> 5) * p.num_experts);
 }
 
-template <typename Kernel>
-cudaError_t launch(Kernel kernel, int blocks, int threads, size_t smem, const AlignParams& p, cudaStream_t s) {
-  if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (err != cudaSuccess) return err;
-  }
-  kernel<<<blocks, threads, smem, s>>>(p);
-  return cudaGetLastError();
+// Warps of the one-block path: as many as 32 whose E counters each fit the shared-memory budget.
+inline int fused_warps(int num_experts) {
+  const int warps = (kSmemBudget / 4 - num_experts - 32) / num_experts;
+  return warps < 1 ? 1 : warps > kMaxFusedWarps ? kMaxFusedWarps : warps;
 }
 
 template <typename IdT>
-cudaError_t run(AlignParams p, int64_t num_rows, cudaStream_t s) {
-  cudaError_t err = cudaMemsetAsync(p.status, 0, 2 * sizeof(int32_t), s);
-  if (err == cudaSuccess && num_rows > 0) err = cudaMemsetAsync(p.source_of, 0xff, num_rows * sizeof(int32_t), s);
-  if (err != cudaSuccess) return err;
+cudaError_t run(AlignParams p, bool fused, int warps, cudaStream_t s) {
   const size_t E = p.num_experts;
-  if (p.num_pairs <= kFusedMaxPairs) {
-    const size_t smem = (kFusedWarps * E + E + 32) * sizeof(int);
-    return launch(align_fused_kernel<IdT>, 1, kFusedWarps * 32, smem, p, s);
+  if (fused) {
+    align_fused_kernel<IdT><<<1, warps * 32, (warps * E + E + 32) * sizeof(int), s>>>(p);
+    return cudaGetLastError();
   }
   const int blocks = (p.num_chunks + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const size_t warp_smem = kWarpsPerBlock * E * sizeof(int);
-  err = launch(align_count_kernel<IdT>, blocks, kWarpsPerBlock * 32, warp_smem, p, s);
-  if (err == cudaSuccess) err = launch(align_scan_kernel, 1, kScanThreads, (E + 32) * sizeof(int), p, s);
-  if (err == cudaSuccess) err = launch(align_rank_kernel<IdT>, blocks, kWarpsPerBlock * 32, warp_smem, p, s);
-  return err;
+  align_count_kernel<IdT><<<blocks, kWarpsPerBlock * 32, warp_smem, s>>>(p);
+  align_scan_kernel<<<1, kScanThreads, (E + 32) * sizeof(int), s>>>(p);
+  align_rank_kernel<IdT><<<blocks, kWarpsPerBlock * 32, warp_smem, s>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace align
@@ -243,46 +278,38 @@ cudaError_t run(AlignParams p, int64_t num_rows, cudaStream_t s) {
 
 extern "C" {
 
-// Workspace ints fim_moe_align needs for ``chunk_counts``.
-int64_t fim_moe_align_workspace(int64_t num_pairs, int num_experts) {
-  using namespace fim::align;
-  const int64_t chunks_fused = kFusedWarps;
-  const int64_t chunks = num_pairs <= kFusedMaxPairs ? chunks_fused : kTargetChunks + 1;
-  return chunks * num_experts;
-}
-
 // Returns a cudaError_t; 0 on success. Arguments are validated in Python (flashinfer_moe/moe/layout.py).
-// capacity < 0: contiguous layout aligned to block_rows; capacity >= 0: masked layout.
+// capacity < 0: contiguous layout aligned to block_rows; capacity >= 0: masked layout. The workspace holds
+// workspace_ints >= 265 * num_experts ints (one row of counts per chunk, at most kTargetChunks + 1 chunks).
 int fim_moe_align(const void* ids, int ids_int64, int64_t num_pairs, int num_experts, int block_rows, int capacity,
-                  int32_t* workspace, int32_t* tokens_per_expert, int32_t* expert_offsets, int32_t* row_of,
-                  int32_t* source_of, int64_t num_rows, int32_t* status, void* stream) {
+                  int32_t* workspace, int64_t workspace_ints, int32_t* tokens_per_expert, int32_t* expert_offsets,
+                  int32_t* row_of, int32_t* source_of, int64_t num_rows, int32_t* status, void* stream) {
   using namespace fim::align;
   if (num_experts < 1 || num_experts > kMaxExperts || block_rows < 1 || num_pairs < 0 || num_pairs > INT32_MAX) {
     return cudaErrorInvalidValue;
   }
-  int64_t chunk;
-  if (num_pairs <= kFusedMaxPairs) {
-    chunk = (num_pairs + kFusedWarps - 1) / kFusedWarps;
-  } else {
-    chunk = (num_pairs + kTargetChunks - 1) / kTargetChunks;
-  }
-  chunk = (chunk + 31) / 32 * 32;
-  if (chunk == 0) chunk = 32;
+  const int warps = fused_warps(num_experts);
+  const bool fused = num_pairs <= static_cast<int64_t>(warps) * kPairsPerFusedWarp;
+  int64_t chunk = (num_pairs + (fused ? warps : kTargetChunks) - 1) / (fused ? warps : kTargetChunks);
+  chunk = chunk < 32 ? 32 : (chunk + 31) / 32 * 32;
+  const int64_t chunks = (num_pairs + chunk - 1) / chunk;
+  if (chunks * num_experts > workspace_ints) return cudaErrorInvalidValue;
   AlignParams p{ids,
                 num_pairs,
                 num_experts,
                 block_rows,
                 capacity,
                 static_cast<int>(chunk),
-                static_cast<int>((num_pairs + chunk - 1) / chunk),
+                static_cast<int>(chunks),
                 workspace,
                 tokens_per_expert,
                 expert_offsets,
                 row_of,
                 source_of,
+                num_rows,
                 status};
   auto s = static_cast<cudaStream_t>(stream);
-  return ids_int64 ? run<int64_t>(p, num_rows, s) : run<int32_t>(p, num_rows, s);
+  return ids_int64 ? run<int64_t>(p, fused, warps, s) : run<int32_t>(p, fused, warps, s);
 }
 
 }  // extern "C"

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "common/dtype.cuh"
 #include "common/vec.cuh"
@@ -42,7 +43,7 @@ __global__ void combine_kernel(const CombineParams p) {
   OT* out = static_cast<OT*>(p.out) + t * H;
   const OT* residual = static_cast<const OT*>(p.residual);
   if constexpr (VEC) {
-    for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+    for (int c = (blockIdx.y * blockDim.x + threadIdx.x) * 8; c < H; c += gridDim.y * blockDim.x * 8) {
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
@@ -77,7 +78,7 @@ __global__ void combine_kernel(const CombineParams p) {
       store8(out + c, narrow8<OT>(acc));
     }
   } else {
-    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+    for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < H; c += gridDim.y * blockDim.x) {
       float acc = 0.0f;
       for (int j = 0; j < p.top_k; ++j) {
         if (rows[j] >= 0) acc = __fadd_rn(acc, __fmul_rn(weights[j], to_float(y[static_cast<int64_t>(rows[j]) * H + c])));
@@ -92,9 +93,10 @@ __global__ void combine_kernel(const CombineParams p) {
 template <typename YT, typename OT>
 cudaError_t launch(const CombineParams& p, int64_t num_tokens, bool vec, cudaStream_t s) {
   const int per_thread = vec ? 8 : 1;
-  int threads = (p.hidden + per_thread - 1) / per_thread;
-  threads = threads < 32 ? 32 : threads > 1024 ? 1024 : (threads + 31) / 32 * 32;
-  const unsigned grid = static_cast<unsigned>(num_tokens);
+  const int items = (p.hidden + per_thread - 1) / per_thread;
+  int threads = items < 32 ? 32 : items > 1024 ? 1024 : (items + 31) / 32 * 32;
+  if (const char* env = getenv("FIM_EXPERIMENT_THREADS")) threads = atoi(env);
+  const dim3 grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>((items + threads - 1) / threads));
   if (vec) {
     combine_kernel<YT, OT, true><<<grid, threads, 0, s>>>(p);
   } else {

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "common/dtype.cuh"
 #include "common/quant.cuh"
@@ -20,6 +21,7 @@ namespace permute {
 
 enum Mode : int { kCopy = 0, kFp8Group = 1, kFp8Tensor = 2, kNvfp4 = 3 };
 constexpr int kMaxTopK = 64;
+constexpr int kMaxThreads = 1024;
 
 struct ScatterParams {
   const void* in;  // [T, H], row stride in_stride elements
@@ -50,7 +52,7 @@ __global__ void scatter_kernel(const ScatterParams p) {
   const int H = p.hidden;
   if constexpr (!VEC) {  // unaligned rows or H % 8 != 0: element by element (copy and FP8 per-tensor only)
     const float scale = MODE == kFp8Tensor ? *p.scale : 1.0f;
-    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+    for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < H; c += gridDim.y * blockDim.x) {
       const T v = src[c];
       for (int j = 0; j < p.top_k; ++j) {
         if (rows[j] < 0) continue;
@@ -67,18 +69,19 @@ __global__ void scatter_kernel(const ScatterParams p) {
     float global_scale = 0.0f;
     if constexpr (MODE == kFp8Tensor || MODE == kNvfp4) global_scale = *p.scale;
     const int lane = threadIdx.x & 31;
-    // Uniform trip count, so every lane takes part in the group shuffles; idle lanes hold zeros.
-    for (int base = 0; base < H; base += blockDim.x * 8) {
-      const int c = base + threadIdx.x * 8;
+    // One tile of blockDim.x * 8 elements per block (blockIdx.y); every lane takes part in the group
+    // shuffles, idle ones holding zeros.
+    {
+      const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
       const bool active = c < H;
       Vec8<T> raw{};
       if (active) raw = load8(src + c);
       if constexpr (MODE == kCopy) {
-        if (!active) continue;
+        if (!active) return;
         for (int j = 0; j < p.top_k; ++j) {
           if (rows[j] >= 0) store8(static_cast<T*>(p.out) + static_cast<int64_t>(rows[j]) * H + c, raw);
         }
-        continue;
+        return;
       }
       float v[8];
       widen8(raw, v);
@@ -94,7 +97,7 @@ __global__ void scatter_kernel(const ScatterParams p) {
           scale = scale_from_amax(amax, kFp8Max);
           if (p.scale_pow2) scale = round_up_pow2(scale);
         }
-        if (!active) continue;
+        if (!active) return;
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = __fdiv_rn(v[i], scale);
         const uint2 q = fp8x8(v);
@@ -111,7 +114,7 @@ __global__ void scatter_kernel(const ScatterParams p) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
         amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
-        if (!active) continue;
+        if (!active) return;
         const uint8_t block_scale = nvfp4_block_scale(amax, global_scale);
         const uint32_t packed = nvfp4x8(v, __fmul_rn(fp8_to_float(block_scale), global_scale));
         for (int j = 0; j < p.top_k; ++j) {
@@ -128,9 +131,11 @@ __global__ void scatter_kernel(const ScatterParams p) {
 template <typename T, int MODE, bool VEC>
 cudaError_t launch(const ScatterParams& p, int64_t num_tokens, cudaStream_t s) {
   const int per_thread = VEC ? 8 : 1;
-  int threads = (p.hidden + per_thread - 1) / per_thread;
-  threads = threads < 32 ? 32 : threads > 1024 ? 1024 : (threads + 31) / 32 * 32;
-  scatter_kernel<T, MODE, VEC><<<static_cast<unsigned>(num_tokens), threads, 0, s>>>(p);
+  const int items = (p.hidden + per_thread - 1) / per_thread;
+  int threads = items < 32 ? 32 : items > kMaxThreads ? kMaxThreads : (items + 31) / 32 * 32;
+  if (const char* env = getenv("FIM_EXPERIMENT_THREADS")) threads = atoi(env);
+  const dim3 grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>((items + threads - 1) / threads));
+  scatter_kernel<T, MODE, VEC><<<grid, threads, 0, s>>>(p);
   return cudaGetLastError();
 }
 
