@@ -7,10 +7,15 @@ cheaply (dtype, shape, device); the public wrappers do the rest.
 
 Dimension legend: ``N`` rows (tokens or weight rows), ``K`` the last (reduction) dimension.
 
+Values are quantized as ``x * inv`` with ``inv = min(1 / scale, FLT_MAX)`` (each step rounded in fp32), not
+as ``x / scale``: one multiply per element instead of a division, which is what makes the GPU kernels
+memory-bound, and the two differ by at most one fp32 ulp before the much coarser FP8/FP4 rounding.
+
 Zero scales: a scale computed from an amax is never below :data:`MIN_SCALE` (the smallest normal fp32,
 ``2**-126``). An all-zero group/block/tensor therefore gets scale ``2**-126`` (a power of two, so also a
 valid UE8M0 scale), quantizes to zero codes and dequantizes to exact zeros, never NaN or inf; a group whose
-amax is subnormal keeps every ``|x / scale| < 448``.
+amax is subnormal keeps every ``|x * inv| <= 448``. A given scale of 0 (or so small that its reciprocal
+overflows) multiplies by ``FLT_MAX``: values saturate, zeros stay zero.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
 MIN_SCALE = torch.finfo(torch.float32).tiny  # 2**-126
+FLT_MAX = torch.finfo(torch.float32).max
 # Magnitudes of the E2M1 codes 0..7; bit 3 of a code is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 NVFP4_BLOCK = 16
@@ -66,6 +72,11 @@ def _div(a: torch.Tensor, value: float) -> torch.Tensor:
     # A true IEEE division: on CUDA, dividing by a Python number multiplies by its rounded reciprocal,
     # which is 1 ulp off for some inputs (448 and 2688 have no exact reciprocal).
     return a / torch.full_like(a, value)
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    """``min(1 / scale, FLT_MAX)``, the division correctly rounded (as the kernels' __frcp_rn)."""
+    return (torch.ones_like(scale) / scale).clamp(max=FLT_MAX)
 
 
 def _amax(xf: torch.Tensor) -> torch.Tensor:
@@ -121,7 +132,7 @@ def quantize_fp8_per_token_group(
     """FP8 with one fp32 scale per ``group_size`` consecutive channels (DeepSeek-V3 activations).
 
     ``scale = max(amax / 448, 2**-126)`` computed in fp32; with ``scale_pow2`` it is rounded up to a power of
-    two (UE8M0-compatible, still >= amax / 448). ``q = e4m3(clamp(x / scale, -448, 448))``, nearest-even.
+    two (UE8M0-compatible, still >= amax / 448). ``q = e4m3(clamp(x * (1 / scale), -448, 448))``, nearest-even.
 
     Args:
         x: `[..., H]` float, ``H`` a multiple of ``group_size``.
@@ -139,7 +150,7 @@ def quantize_fp8_per_token_group(
         )
     groups = x.float().unflatten(-1, (x.shape[-1] // group_size, group_size))  # [..., H/g, g]
     scales = _scale_from_amax(groups.abs().amax(dim=-1), scale_pow2)  # [..., H/g]
-    q = _saturate_fp8(groups / scales.unsqueeze(-1)).flatten(-2)
+    q = _saturate_fp8(groups * _inverse(scales).unsqueeze(-1)).flatten(-2)
     return q, scales
 
 
@@ -183,7 +194,7 @@ def quantize_fp8_per_tensor(
     x = _float_input("x", x)
     xf = x.float()
     scale = _scale_from_amax(_amax(xf)) if scale is None else _scale_arg("scale", scale, "x", x)
-    return _saturate_fp8(xf / scale), scale
+    return _saturate_fp8(xf * _inverse(scale)), scale
 
 
 def quantize_fp8_block_weights(
@@ -211,7 +222,7 @@ def quantize_fp8_block_weights(
     padded = F.pad(wf.abs(), (0, kb * bk - k, 0, nb * bn - n))
     amax = padded.unflatten(-1, (kb, bk)).unflatten(-3, (nb, bn)).amax(dim=(-3, -1))  # [..., nb, kb]
     scales = _scale_from_amax(amax)
-    q = _saturate_fp8(wf / _expand_blocks(scales, (bn, bk), n, k))
+    q = _saturate_fp8(wf * _expand_blocks(_inverse(scales), (bn, bk), n, k))
     return q, scales
 
 
@@ -247,7 +258,7 @@ def e2m1_encode(values: torch.Tensor) -> torch.Tensor:
     """Round to the nearest E2M1 value, ties to even, saturating at +-6.
 
     Args:
-        values: any shape, float (already divided by the block scale).
+        values: any shape, float (already scaled by the inverse block scale).
 
     Returns:
         uint8 codes, same shape: ``sign << 3 | i`` with ``i`` the index into :data:`E2M1_VALUES`.
@@ -301,8 +312,8 @@ def quantize_nvfp4(
 
     ``global_scale`` is the dequantization factor (ModelOpt's ``weight_scale_2``), default
     ``max(amax / (6 * 448), 2**-126)``. Per block, ``s = e4m3(min(block amax / (6 * global_scale), 448))``
-    (nearest-even) and the codes are ``e2m1_encode(x / (float(s) * global_scale))``. A block whose ``s``
-    rounds to 0 (tiny values against the global scale) gets zero codes.
+    (nearest-even) and the codes are ``e2m1_encode(x * min(1 / (float(s) * global_scale), FLT_MAX))``. A block
+    whose ``s`` rounds to 0 (tiny values against the global scale) gets zero codes.
 
     Args:
         x: `[..., K]` float, ``K`` a multiple of 16.
@@ -322,7 +333,7 @@ def quantize_nvfp4(
     blocks = xf.unflatten(-1, (x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK))  # [..., K/16, 16]
     block_scales = _saturate_fp8(blocks.abs().amax(dim=-1) / (E2M1_MAX * global_scale))  # [..., K/16]
     denom = (block_scales.float() * global_scale).unsqueeze(-1)
-    scaled = torch.where(denom > 0, blocks / denom, torch.zeros_like(blocks))  # no 0/0 for dead blocks
+    scaled = torch.where(denom > 0, blocks * _inverse(denom), torch.zeros_like(blocks))  # dead blocks: zeros
     return pack_nibbles(e2m1_encode(scaled).flatten(-2)), block_scales, global_scale
 
 

@@ -197,7 +197,7 @@ def quantize_fp8_per_token_group(
     """FP8 with one fp32 scale per ``group_size`` consecutive channels (DeepSeek-V3 activations, 1x128).
 
     ``scale = max(amax / 448, 2**-126)``; with ``scale_pow2`` rounded up to a power of two (UE8M0-compatible).
-    ``q = e4m3(x / scale)``, round-to-nearest-even, saturating at +-448.
+    ``q = e4m3(x * (1 / scale))``, round-to-nearest-even, saturating at +-448.
 
     Args:
         x: `[..., K]` float32/float16/bfloat16, ``K`` a multiple of ``group_size``.
@@ -228,7 +228,7 @@ def quantize_fp8_per_token_group(
 
 
 def quantize_fp8_per_tensor(x: torch.Tensor, scale=None, *, out=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 with one fp32 scale for the whole tensor: ``q = e4m3(x / scale)``, saturating.
+    """FP8 with one fp32 scale for the whole tensor: ``q = e4m3(x * (1 / scale))``, saturating.
 
     Args:
         x: any shape, float32/float16/bfloat16 (last dimension a multiple of 8 for the fastest path).
@@ -276,7 +276,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale=None, *, out=None) -> tuple[tor
 
     ``global_scale`` is the dequantization factor (ModelOpt's ``weight_scale_2``), default
     ``max(amax / (6 * 448), 2**-126)``. Block scale ``s = e4m3(block amax / (6 * global_scale))``; values are
-    divided by ``float(s) * global_scale`` and rounded to nearest-even on the E2M1 grid, saturating at +-6.
+    multiplied by ``1 / (float(s) * global_scale)`` and rounded to nearest-even on the E2M1 grid, saturating at +-6.
 
     Args:
         x: `[..., K]` float32/float16/bfloat16, ``K`` a multiple of 16.

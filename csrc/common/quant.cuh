@@ -1,8 +1,9 @@
 // FP8 (E4M3) and NVFP4 (E2M1 + E4M3 block scale) encoding, bit-exact with flashinfer_moe/reference_quant.py.
 //
-// Every rounding step is spelled with an explicit IEEE intrinsic (__fdiv_rn, __fmul_rn): the reference
-// divides and multiplies in fp32 with correct rounding, and a contracted or reciprocal-based form would
-// differ in the last bit for some inputs.
+// Every rounding step is spelled with an explicit IEEE intrinsic (__fdiv_rn, __frcp_rn, __fmul_rn): the
+// reference rounds each fp32 operation correctly, and a contracted or approximate form would differ in the
+// last bit for some inputs. Values are scaled by the correctly rounded reciprocal of their scale (one multiply
+// per element; a division per element made the quantizing permute compute-bound).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -15,6 +16,10 @@ namespace fim {
 constexpr float kFp8Max = 448.0f;
 constexpr float kE2M1Max = 6.0f;
 constexpr float kMinScale = 1.17549435e-38f;  // smallest normal fp32, 2**-126
+constexpr float kFltMax = 3.40282347e+38f;
+
+// min(1 / scale, FLT_MAX), correctly rounded: a zero or tiny scale saturates the values instead of making NaN.
+__device__ __forceinline__ float inverse_scale(float scale) { return fminf(__frcp_rn(scale), kFltMax); }
 
 // Dequantization scale from an amax: max(amax / divisor, 2**-126).
 __device__ __forceinline__ float scale_from_amax(float amax, float divisor) {
@@ -68,8 +73,9 @@ __device__ __forceinline__ uint8_t nvfp4_block_scale(float block_amax, float glo
 __device__ __forceinline__ uint32_t nvfp4x8(const float (&v)[8], float denom) {
   uint32_t packed = 0;
   if (denom > 0.0f) {
+    const float inv = inverse_scale(denom);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fdiv_rn(v[i], denom)) << (4 * i);
+    for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(v[i], inv)) << (4 * i);
   }
   return packed;
 }

@@ -7,10 +7,11 @@
 //              then the expert offsets (contiguous: padded counts, prefix-summed; masked: e * capacity);
 //   3. rank:   each warp walks its chunk again, giving every pair its rank = chunk start + earlier pairs of the
 //              same expert in the chunk, and writes row_of / source_of.
-// Inside a warp, pairs with the same expert in one 32-pair step are found with __match_any_sync, and their
-// order is the lane order, so ranks follow the pair order exactly. Small batches run the three phases in
-// one block (one launch); large ones as three grid-wide launches. Every shared-memory size stays under 48 KiB,
-// so no launch needs an attribute call (which CUDA-graph capture would refuse).
+// Inside a warp, the lanes of one 32-pair step that share an expert are found with one ballot per bit of the
+// expert id (much faster than __match_any_sync, which one block used to spend most of its time in), and
+// their order is the lane order, so ranks follow the pair order exactly. Small batches run the three phases
+// in one block (one launch); large ones as three grid-wide launches. Every shared-memory size stays under
+// 48 KiB, so no launch needs an attribute call (which CUDA-graph capture would refuse).
 
 #include <cuda_runtime.h>
 
@@ -26,8 +27,9 @@ constexpr int kMaxFusedWarps = 32;    // the one-block path
 constexpr int kScanThreads = 1024;    // multi-launch phase 2
 constexpr int kMaxExperts = 1024;
 constexpr int kSmemBudget = 44 * 1024;  // under the 48 KiB that needs no opt-in (an opt-in cannot be captured)
-constexpr int kPairsPerFusedWarp = 1024;
-constexpr int kTargetChunks = 264;  // two warps per SM on a 132-SM GPU
+constexpr int kPairsPerFusedWarp = 256;
+constexpr int kTargetChunks = 264;   // two warps per SM on a 132-SM GPU
+constexpr int kMaxChunkSlices = 9;  // chunks <= 9 * 32: each expert's chunk counts fit 9 registers per lane
 constexpr int kBatch = 8;           // 32-pair steps whose id loads are issued together
 
 struct AlignParams {
@@ -38,7 +40,7 @@ struct AlignParams {
   int capacity;    // masked: slots per expert; < 0 selects the contiguous layout
   int chunk;       // pairs per chunk, a multiple of 32
   int num_chunks;
-  int32_t* chunk_counts;       // [num_chunks, E] workspace: counts, then each chunk's start inside its expert
+  int32_t* chunk_counts;       // [E, num_chunks] workspace: counts, then each chunk's start inside its expert
   int32_t* tokens_per_expert;  // [E]
   int32_t* expert_offsets;     // [E + 1]
   int32_t* row_of;             // [N]
@@ -78,7 +80,7 @@ __device__ void reset_outputs(const AlignParams& p, int blocks) {
   if (first == 0) p.status[0] = p.status[1] = 0;
 }
 
-// Phase 1 for chunk c, by one warp; hist is this warp's E shared counters.
+// Phase 1 for chunk c, by one warp; hist is this warp's E shared counters (the order of the adds is free).
 template <typename IdT>
 __device__ void count_chunk(const AlignParams& p, int c, int* hist) {
   const int lane = threadIdx.x & 31;
@@ -92,13 +94,22 @@ __device__ void count_chunk(const AlignParams& p, int c, int* hist) {
     load_batch<IdT>(p, base, end, e, &invalid);
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const unsigned peers = __match_any_sync(kFullMask, e[b]);
-      if (e[b] >= 0 && lane == 31 - __clz(peers)) hist[e[b]] += __popc(peers);
-      __syncwarp();
+      if (e[b] >= 0) atomicAdd(hist + e[b], 1);
     }
   }
-  int32_t* out = p.chunk_counts + static_cast<int64_t>(c) * p.num_experts;
-  for (int e = lane; e < p.num_experts; e += 32) out[e] = hist[e];
+  __syncwarp();
+  for (int e = lane; e < p.num_experts; e += 32) p.chunk_counts[static_cast<int64_t>(e) * p.num_chunks + c] = hist[e];
+}
+
+// The lanes whose key equals this lane's, from one ballot per key bit (keys < 2**bits).
+__device__ __forceinline__ unsigned lanes_with_same_key(int key, int bits) {
+  unsigned peers = kFullMask;
+  for (int b = 0; b < bits; ++b) {
+    const bool bit = (key >> b) & 1;
+    const unsigned set = __ballot_sync(kFullMask, bit);
+    peers &= bit ? set : ~set;
+  }
+  return peers;
 }
 
 // Exclusive prefix sum of data[0..n) in shared memory by the whole block; returns the total.
@@ -139,22 +150,26 @@ __device__ int block_exclusive_scan(int* data, int n, int* warp_sums) {
 
 // Phase 2, by one block. totals: E shared ints; warp_sums: 32 shared ints.
 __device__ void scan_experts(const AlignParams& p, int* totals, int* warp_sums) {
-  constexpr int kGroup = 8;  // chunk counts loaded together, then prefix-summed
-  const int E = p.num_experts;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int running = 0;
-    int32_t* col = p.chunk_counts + e;
-    for (int c0 = 0; c0 < p.num_chunks; c0 += kGroup) {
-      int v[kGroup];
+  const int E = p.num_experts, lane = threadIdx.x & 31;
+  // One warp per expert: its chunk counts are contiguous, loaded together, and prefix-summed across lanes.
+  for (int e = threadIdx.x >> 5; e < E; e += blockDim.x >> 5) {
+    int32_t* col = p.chunk_counts + static_cast<int64_t>(e) * p.num_chunks;
+    int v[kMaxChunkSlices];
 #pragma unroll
-      for (int u = 0; u < kGroup; ++u) v[u] = c0 + u < p.num_chunks ? col[static_cast<int64_t>(c0 + u) * E] : 0;
+    for (int s = 0; s < kMaxChunkSlices; ++s) v[s] = s * 32 + lane < p.num_chunks ? col[s * 32 + lane] : 0;
+    int carry = 0;
 #pragma unroll
-      for (int u = 0; u < kGroup; ++u) {
-        if (c0 + u < p.num_chunks) col[static_cast<int64_t>(c0 + u) * E] = running;
-        running += v[u];
+    for (int s = 0; s < kMaxChunkSlices; ++s) {
+      int inclusive = v[s];
+#pragma unroll
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const int up = __shfl_up_sync(kFullMask, inclusive, offset);
+        if (lane >= offset) inclusive += up;
       }
+      if (s * 32 + lane < p.num_chunks) col[s * 32 + lane] = carry + inclusive - v[s];
+      carry += __shfl_sync(kFullMask, inclusive, 31);
     }
-    totals[e] = running;
+    if (lane == 0) totals[e] = carry;
   }
   __syncthreads();
   if (p.capacity >= 0) {
@@ -179,13 +194,18 @@ __device__ void scan_experts(const AlignParams& p, int* totals, int* warp_sums) 
   if (threadIdx.x == 0) p.expert_offsets[E] = total;
 }
 
-// Phase 3 for chunk c, by one warp; next is this warp's E shared counters.
+// Phase 3 for chunk c, by one warp; next is this warp's E shared counters: the next row of each expert
+// (contiguous) or its next slot (masked).
 template <typename IdT>
 __device__ void rank_chunk(const AlignParams& p, int c, int* next) {
   const int lane = threadIdx.x & 31;
-  const int32_t* starts = p.chunk_counts + static_cast<int64_t>(c) * p.num_experts;
-  for (int e = lane; e < p.num_experts; e += 32) next[e] = starts[e];
+  const bool masked = p.capacity >= 0;
+  for (int e = lane; e < p.num_experts; e += 32) {
+    const int start = p.chunk_counts[static_cast<int64_t>(e) * p.num_chunks + c];
+    next[e] = masked ? start : p.expert_offsets[e] + start;
+  }
   __syncwarp();
+  const int key_bits = 32 - __clz(p.num_experts);  // keys 0 .. E, E standing for "no expert"
   const unsigned lower_lanes = (1u << lane) - 1u;
   const int64_t begin = static_cast<int64_t>(c) * p.chunk;
   const int64_t end = min(begin + p.chunk, p.num_pairs);
@@ -196,21 +216,16 @@ __device__ void rank_chunk(const AlignParams& p, int c, int* next) {
     if (invalid) atomicAdd(p.status + 1, __popc(invalid));
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
+      if (base + b * 32 >= end) break;  // warp-uniform
       const int64_t i = base + b * 32 + lane;
-      const unsigned peers = __match_any_sync(kFullMask, e[b]);
-      const int rank = e[b] >= 0 ? next[e[b]] + __popc(peers & lower_lanes) : -1;
+      const unsigned peers = lanes_with_same_key(e[b] >= 0 ? e[b] : p.num_experts, key_bits);
+      const int at = e[b] >= 0 ? next[e[b]] + __popc(peers & lower_lanes) : -1;
       __syncwarp();  // every lane has read next[e] before its leader moves it on
       if (e[b] >= 0 && lane == 31 - __clz(peers)) next[e[b]] += __popc(peers);
       __syncwarp();
       if (i < end) {
-        int row = -1;
-        if (e[b] >= 0) {
-          if (p.capacity < 0) {
-            row = p.expert_offsets[e[b]] + rank;
-          } else if (rank < p.capacity) {
-            row = e[b] * p.capacity + rank;
-          }
-        }
+        int row = at;
+        if (masked && e[b] >= 0) row = at < p.capacity ? e[b] * p.capacity + at : -1;
         p.row_of[i] = row;
         if (row >= 0) p.source_of[row] = static_cast<int32_t>(i);
       }
@@ -293,7 +308,7 @@ int fim_moe_align(const void* ids, int ids_int64, int64_t num_pairs, int num_exp
   int64_t chunk = (num_pairs + (fused ? warps : kTargetChunks) - 1) / (fused ? warps : kTargetChunks);
   chunk = chunk < 32 ? 32 : (chunk + 31) / 32 * 32;
   const int64_t chunks = (num_pairs + chunk - 1) / chunk;
-  if (chunks * num_experts > workspace_ints) return cudaErrorInvalidValue;
+  if (chunks * num_experts > workspace_ints || chunks > kMaxChunkSlices * 32) return cudaErrorInvalidValue;
   AlignParams p{ids,
                 num_pairs,
                 num_experts,

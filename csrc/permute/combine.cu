@@ -1,11 +1,11 @@
 // Combine: out[t] = (sum_j w[t, j] * y[row_of[t, j]]) * scale + residual[t], fp32 accumulation over j
 // ascending, each product rounded before it is added (no FMA contraction), as the reference does; pairs with
-// row -1 are skipped. One block per token, 8 elements per thread, up to four rows' loads in flight at once.
+// row -1 are skipped. One block per (token, tile of the row), 8 elements per thread, up to four rows' loads
+// in flight at once.
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "common/dtype.cuh"
 #include "common/vec.cuh"
@@ -15,6 +15,9 @@ namespace combine {
 
 constexpr int kMaxTopK = 64;
 constexpr int kRowsInFlight = 4;
+// Threads per block, one block per (token, tile of its row): measured on an H200 at T = 4096, H = 7168,
+// 128 threads reach the copy bandwidth where one 896-thread block per token stayed at 86% of it.
+constexpr int kThreads = 128;
 
 struct CombineParams {
   const void* y;          // [rows, H]
@@ -94,8 +97,7 @@ template <typename YT, typename OT>
 cudaError_t launch(const CombineParams& p, int64_t num_tokens, bool vec, cudaStream_t s) {
   const int per_thread = vec ? 8 : 1;
   const int items = (p.hidden + per_thread - 1) / per_thread;
-  int threads = items < 32 ? 32 : items > 1024 ? 1024 : (items + 31) / 32 * 32;
-  if (const char* env = getenv("FIM_EXPERIMENT_THREADS")) threads = atoi(env);
+  const int threads = items < 32 ? 32 : items > kThreads ? kThreads : (items + 31) / 32 * 32;
   const dim3 grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>((items + threads - 1) / threads));
   if (vec) {
     combine_kernel<YT, OT, true><<<grid, threads, 0, s>>>(p);

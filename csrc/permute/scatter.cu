@@ -2,14 +2,13 @@
 // of the expert-major layout that holds one of its pairs (row_of[t, j] >= 0). With no row_of, row t goes to
 // row t: that is the plain quantizer.
 //
-// One block per token; each thread holds 8 consecutive elements (one 16-byte load of bf16/fp16, two of
-// fp32). FP8 group scales reduce over the group_size / 8 lanes of a group, NVFP4 block scales over a pair
+// A 2-D grid: one block per (token, 1024-element tile of its row); each thread holds 8 consecutive elements
+// (one 16-byte load of bf16/fp16, two of fp32). FP8 group scales reduce over the group_size / 8 lanes of a group, NVFP4 block scales over a pair
 // of lanes; groups never straddle a warp because group_size divides 256.
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "common/dtype.cuh"
 #include "common/quant.cuh"
@@ -21,7 +20,9 @@ namespace permute {
 
 enum Mode : int { kCopy = 0, kFp8Group = 1, kFp8Tensor = 2, kNvfp4 = 3 };
 constexpr int kMaxTopK = 64;
-constexpr int kMaxThreads = 1024;
+// Threads per block, each block one tile of a token's row. Small blocks keep more tokens in flight per SM:
+// measured on an H200 at T = 4096, H = 7168, 128 threads beat one 896-thread block per token by 10-15%.
+constexpr int kThreads = 128;
 
 struct ScatterParams {
   const void* in;  // [T, H], row stride in_stride elements
@@ -51,7 +52,7 @@ __global__ void scatter_kernel(const ScatterParams p) {
   const T* src = static_cast<const T*>(p.in) + t * p.in_stride;
   const int H = p.hidden;
   if constexpr (!VEC) {  // unaligned rows or H % 8 != 0: element by element (copy and FP8 per-tensor only)
-    const float scale = MODE == kFp8Tensor ? *p.scale : 1.0f;
+    const float inv = MODE == kFp8Tensor ? inverse_scale(*p.scale) : 1.0f;
     for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < H; c += gridDim.y * blockDim.x) {
       const T v = src[c];
       for (int j = 0; j < p.top_k; ++j) {
@@ -60,7 +61,7 @@ __global__ void scatter_kernel(const ScatterParams p) {
         if constexpr (MODE == kCopy) {
           static_cast<T*>(p.out)[at] = v;
         } else {
-          static_cast<uint8_t*>(p.out)[at] = fp8(__fdiv_rn(to_float(v), scale));
+          static_cast<uint8_t*>(p.out)[at] = fp8(__fmul_rn(to_float(v), inv));
         }
       }
     }
@@ -98,8 +99,9 @@ __global__ void scatter_kernel(const ScatterParams p) {
           if (p.scale_pow2) scale = round_up_pow2(scale);
         }
         if (!active) return;
+        const float inv = inverse_scale(scale);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = __fdiv_rn(v[i], scale);
+        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(v[i], inv);
         const uint2 q = fp8x8(v);
         const bool leader = MODE == kFp8Group && (lane & (p.group_size / 8 - 1)) == 0;
         const int groups = H / p.group_size;
@@ -132,8 +134,7 @@ template <typename T, int MODE, bool VEC>
 cudaError_t launch(const ScatterParams& p, int64_t num_tokens, cudaStream_t s) {
   const int per_thread = VEC ? 8 : 1;
   const int items = (p.hidden + per_thread - 1) / per_thread;
-  int threads = items < 32 ? 32 : items > kMaxThreads ? kMaxThreads : (items + 31) / 32 * 32;
-  if (const char* env = getenv("FIM_EXPERIMENT_THREADS")) threads = atoi(env);
+  const int threads = items < 32 ? 32 : items > kThreads ? kThreads : (items + 31) / 32 * 32;
   const dim3 grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>((items + threads - 1) / threads));
   scatter_kernel<T, MODE, VEC><<<grid, threads, 0, s>>>(p);
   return cudaGetLastError();

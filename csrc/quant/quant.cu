@@ -61,10 +61,11 @@ __global__ void __launch_bounds__(kThreads)
   m = 0.0f;
   for (int i = 0; i < kThreads / 32; ++i) m = fmaxf(m, warp_max[i]);
   const float scale = scale_from_amax(m, kFp8Max);
+  const float inv = inverse_scale(scale);
   if (threadIdx.x == 0) scales[tile] = scale;
   for (int idx = threadIdx.x; idx < rows * cols; idx += blockDim.x) {
     const int64_t r = bi * bn + idx / cols, c = bj * bk + idx % cols;
-    q[g * n * k + r * k + c] = fp8(__fdiv_rn(to_float(src[r * k + c]), scale));
+    q[g * n * k + r * k + c] = fp8(__fmul_rn(to_float(src[r * k + c]), inv));
   }
 }
 
