@@ -48,7 +48,16 @@ def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def aligned16(t: torch.Tensor) -> bool:
-    """Rows of ``t`` (2-D, unit last stride) can be moved as 16-byte vectors of 8 elements."""
+def vector_rows(t: torch.Tensor, elements: int) -> bool:
+    """Rows of ``t`` (2-D) start on 16-byte boundaries and hold a multiple of ``elements`` unit-stride elements,
+    so kernels may move them in 16-byte vectors. Reads the address: call it inside an op, not while tracing."""
     row_bytes = t.stride(0) * t.element_size() if t.dim() > 1 and t.shape[0] > 1 else 0
-    return t.data_ptr() % 16 == 0 and row_bytes % 16 == 0 and t.shape[-1] % 8 == 0 and t.stride(-1) == 1
+    unit = t.stride(-1) == 1 or t.shape[-1] == 1
+    return t.data_ptr() % 16 == 0 and row_bytes % 16 == 0 and t.shape[-1] % elements == 0 and unit
+
+
+def aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if contiguous and 16-byte aligned, else an aligned contiguous copy."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)

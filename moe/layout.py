@@ -16,7 +16,7 @@ from flashinfer_moe import reference_layout as ref
 from flashinfer_moe._ops import LIB, check_launch, on_device, stream_of
 from flashinfer_moe.layout import ExpertLayout, contiguous_rows
 
-from ._kernels import ALIGN_WORKSPACE_CHUNKS, MAX_EXPERTS, permute_lib
+from ._kernels import ALIGN_WORKSPACE_CHUNKS, MAX_EXPERTS, MAX_TOP_K, permute_lib
 
 __all__ = ["moe_align_contiguous", "moe_align_masked"]
 
@@ -75,9 +75,9 @@ def _checked_ids(topk_ids: object, num_experts: object) -> tuple[torch.Tensor, i
     ids = _checks.tensor("topk_ids", topk_ids)
     _checks.dtype_in("topk_ids", ids, (torch.int32, torch.int64))
     _checks.ndim("topk_ids", ids, 2, "[num_tokens, top_k]")
+    _checks.integer("topk_ids.shape[1] (top_k)", ids.shape[1], 0, MAX_TOP_K)
     num_experts = _checks.integer("num_experts", num_experts, 1, MAX_EXPERTS)
-    if ids.device.type == "cpu":  # the range check is free on the host; on a GPU the kernel counts bad ids
-        ref.check_ids(ids, num_experts)
+    # On a CPU the op itself (the reference) range-checks the ids; on a GPU the kernel counts bad ones.
     return ids.contiguous(), num_experts
 
 

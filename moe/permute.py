@@ -20,12 +20,12 @@ from flashinfer_moe._ops import DTYPE_CODES, LIB, check_launch, on_device, strea
 from flashinfer_moe.layout import ExpertLayout
 
 from . import _kernels as K
-from .quant import FLOATS, FP8, check_out, group_size_arg, rows_2d, tensor_scale
+from .quant import FLOATS, FP8, check_out, group_size_arg, tensor_scale
 
 __all__ = ["combine", "permute", "permute_fp8_per_tensor", "permute_fp8_per_token_group", "permute_nvfp4"]
 
 LIB.define(
-    "permute_(Tensor hidden, Tensor? row_of, Tensor(a!) out, Tensor(b!)? scales, Tensor? scale, int mode, "
+    "permute_(Tensor hidden, Tensor? row_of, Tensor(a!) out, Tensor(b!)? scales, Tensor? scale, int kind, "
     "int group_size, bool scale_pow2) -> ()"
 )
 LIB.define(
@@ -34,12 +34,12 @@ LIB.define(
 )
 
 
-def _permute_cpu(hidden, row_of, out, scales, scale, mode, group_size, scale_pow2):
-    if mode == K.COPY:
+def _permute_cpu(hidden, row_of, out, scales, scale, kind, group_size, scale_pow2):
+    if kind == K.COPY:
         rows, row_scales = hidden, None
-    elif mode == K.FP8_GROUP:
+    elif kind == K.FP8_GROUP:
         rows, row_scales = ref_quant.quantize_fp8_per_token_group(hidden, group_size, scale_pow2=scale_pow2)
-    elif mode == K.FP8_TENSOR:
+    elif kind == K.FP8_TENSOR:
         rows, row_scales = ref_quant.quantize_fp8_per_tensor(hidden, scale)[0], None
     else:
         rows, row_scales, _ = ref_quant.quantize_nvfp4(hidden, scale)
@@ -48,8 +48,15 @@ def _permute_cpu(hidden, row_of, out, scales, scale, mode, group_size, scale_pow
         ref_layout.put_rows(scales, row_scales, row_of)
 
 
-def _permute_cuda(hidden, row_of, out, scales, scale, mode, group_size, scale_pow2):
+def _permute_cuda(hidden, row_of, out, scales, scale, kind, group_size, scale_pow2):
     lib = K.permute_lib()
+    vec = K.vector_rows(hidden, 16) and K.vector_rows(out.view(-1, out.shape[-1]), 1)
+    if not vec and kind in (K.FP8_GROUP, K.NVFP4):  # these read and write whole 16-element vectors
+        hidden = K.aligned_copy(hidden)
+        vec = K.vector_rows(hidden, 16)
+        for name, t in (("out", out), ("scales", scales)):
+            if t.data_ptr() % 16:
+                raise ValueError(f"{name} must be 16-byte aligned, got address {t.data_ptr():#x}")
     with on_device(hidden):
         status = lib.fim_permute(
             hidden.data_ptr(),
@@ -59,8 +66,8 @@ def _permute_cuda(hidden, row_of, out, scales, scale, mode, group_size, scale_po
             1 if row_of is None else row_of.shape[1],
             hidden.shape[0],
             hidden.shape[1],
-            mode,
-            int(K.aligned16(hidden) and out.data_ptr() % 16 == 0),
+            kind,
+            int(vec),
             out.data_ptr(),
             K.ptr(scales),
             K.ptr(scale),
@@ -78,7 +85,7 @@ def _combine_cpu(y, topk_weights, row_of, residual, out, scale, has_scale):
 
 def _combine_cuda(y, topk_weights, row_of, residual, out, scale, has_scale):
     lib = K.permute_lib()
-    vec = all(K.aligned16(t) for t in (y, out) + ((residual,) if residual is not None else ()))
+    vec = all(K.vector_rows(t, 8) for t in (y, out) + ((residual,) if residual is not None else ()))
     with on_device(y):
         status = lib.fim_combine(
             y.data_ptr(),
@@ -128,14 +135,9 @@ def _hidden_and_layout(hidden: object, layout: object) -> tuple[torch.Tensor, Ex
     return hidden, layout
 
 
-def _quant_input(hidden: torch.Tensor) -> torch.Tensor:
-    # The quantizing kernels read 8-element, 16-byte vectors.
-    return hidden if K.aligned16(hidden) else rows_2d("hidden", hidden)
-
-
-def _launch(hidden, layout, out, scales, scale, mode, group_size=0, scale_pow2=False) -> None:
+def _launch(hidden, layout, out, scales, scale, kind, group_size=0, scale_pow2=False) -> None:
     if hidden.numel():
-        torch.ops.flashinfer_moe.permute_(hidden, layout.row_of, out, scales, scale, mode, group_size, scale_pow2)
+        torch.ops.flashinfer_moe.permute_(hidden, layout.row_of, out, scales, scale, kind, group_size, scale_pow2)
 
 
 def permute(hidden: torch.Tensor, layout: ExpertLayout, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,7 +176,7 @@ def permute_fp8_per_token_group(
     Args:
         hidden: `[T, H]` float32/float16/bfloat16, ``H`` a multiple of ``group_size``.
         layout: the expert-major layout.
-        group_size: channels per scale, a power of two in [8, 256].
+        group_size: channels per scale, a power of two in [16, 256].
         scale_pow2: round each scale up to a power of two (UE8M0-compatible).
         out: optional ``(q [*rows_shape, H] float8_e4m3fn, scales [*rows_shape, H / group_size] float32)``.
 
@@ -188,7 +190,7 @@ def permute_fp8_per_token_group(
         raise ValueError(f"hidden must have a hidden size that is a multiple of group_size ({group_size}), got {h}")
     shapes = ((*layout.rows_shape, h), (*layout.rows_shape, h // group_size))
     q, scales = _outputs(out, ("q", "scales"), shapes, (FP8, torch.float32), hidden)
-    _launch(_quant_input(hidden), layout, q, scales, None, K.FP8_GROUP, group_size, bool(scale_pow2))
+    _launch(hidden, layout, q, scales, None, K.FP8_GROUP, group_size, bool(scale_pow2))
     return q, scales
 
 
@@ -208,7 +210,7 @@ def permute_fp8_per_tensor(
         ``(q [*rows_shape, H] float8_e4m3fn, scale float32 0-d)``.
     """
     hidden, layout = _hidden_and_layout(hidden, layout)
-    scale = tensor_scale(hidden, scale, "scale", ref_quant.FP8_MAX)
+    scale = tensor_scale(hidden, "hidden", scale, "scale", ref_quant.FP8_MAX)
     shape = (*layout.rows_shape, hidden.shape[1])
     q = (
         torch.empty(shape, dtype=FP8, device=hidden.device)
@@ -242,10 +244,10 @@ def permute_nvfp4(
     h = hidden.shape[1]
     if h % 16:
         raise ValueError(f"hidden must have a hidden size that is a multiple of 16 (NVFP4 blocks), got {h}")
-    global_scale = tensor_scale(hidden, global_scale, "global_scale", ref_quant.E2M1_MAX * ref_quant.FP8_MAX)
+    global_scale = tensor_scale(hidden, "hidden", global_scale, "global_scale", ref_quant.E2M1_MAX * ref_quant.FP8_MAX)
     shapes = ((*layout.rows_shape, h // 2), (*layout.rows_shape, h // 16))
     packed, block_scales = _outputs(out, ("packed", "block_scales"), shapes, (torch.uint8, FP8), hidden)
-    _launch(_quant_input(hidden), layout, packed, block_scales, global_scale, K.NVFP4)
+    _launch(hidden, layout, packed, block_scales, global_scale, K.NVFP4)
     return packed, block_scales, global_scale
 
 

@@ -40,7 +40,7 @@ def _amax_scale_cpu(x, scale, divisor):
 
 def _amax_scale_cuda(x, scale, divisor):
     lib = K.quant_lib()
-    vec = x.data_ptr() % 16 == 0 and x.numel() % 8 == 0
+    vec = x.data_ptr() % 16 == 0 and x.numel() % 8 == 0 and x.is_contiguous()
     with on_device(x):
         status = lib.fim_amax_scale(
             x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), int(vec), scale.data_ptr(), divisor, stream_of(x)
@@ -79,6 +79,9 @@ def _dequant_cpu(packed, block_scales, global_scale, out):
 
 def _dequant_cuda(packed, block_scales, global_scale, out):
     lib = K.quant_lib()
+    packed = K.aligned_copy(packed)  # read as 32-bit words
+    if out.data_ptr() % 16:
+        raise ValueError(f"out must be 16-byte aligned, got address {out.data_ptr():#x}")
     with on_device(packed):
         status = lib.fim_dequantize_nvfp4(
             packed.data_ptr(),
@@ -113,9 +116,9 @@ def float_input(name: str, x: object, min_dim: int = 1) -> torch.Tensor:
 
 
 def group_size_arg(group_size: object) -> int:
-    group_size = _checks.integer("group_size", group_size, 8, 256)
+    group_size = _checks.integer("group_size", group_size, 16, 256)
     if group_size & (group_size - 1):
-        raise ValueError(f"group_size must be a power of two in [8, 256], got {group_size}")
+        raise ValueError(f"group_size must be a power of two in [16, 256], got {group_size}")
     return group_size
 
 
@@ -135,17 +138,18 @@ def scale_tensor(name: str, scale: object, like_name: str, like: torch.Tensor) -
     return torch.tensor(float(scale), dtype=torch.float32, device=like.device)
 
 
-def tensor_scale(x: torch.Tensor, scale: object, name: str, divisor: float) -> torch.Tensor:
+def tensor_scale(x: torch.Tensor, x_name: str, scale: object, name: str, divisor: float) -> torch.Tensor:
     """The given scale, or ``max(amax(x) / divisor, 2**-126)`` computed on the device (no host sync)."""
     if scale is not None:
-        return scale_tensor(name, scale, "x", x)
+        return scale_tensor(name, scale, x_name, x)
     out = torch.empty((), dtype=torch.float32, device=x.device)
     torch.ops.flashinfer_moe.amax_scale_(x.contiguous(), out, divisor)
     return out
 
 
 def check_out(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    """An ``out=`` buffer: right shape, dtype and device, contiguous and 16-byte aligned (vector stores)."""
+    """An ``out=`` buffer: right shape, dtype and device, and contiguous. (The kernels that store 16-byte
+    vectors also need it 16-byte aligned, as every fresh torch allocation is; they check that themselves.)"""
     t = _checks.tensor(name, t)
     if t.dtype != dtype:
         raise TypeError(
@@ -154,10 +158,8 @@ def check_out(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, 
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     _checks.same_device(name, t, "the input", like)
-    if not t.is_contiguous() or t.data_ptr() % 16:
-        raise ValueError(
-            f"{name} must be contiguous and 16-byte aligned, got strides {t.stride()} at {t.data_ptr():#x}"
-        )
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
     return t
 
 
@@ -167,14 +169,10 @@ def _out_pair(out: object, names: tuple[str, str]) -> tuple[object, object]:
     return out[0], out[1]
 
 
-def rows_2d(name: str, x: torch.Tensor) -> torch.Tensor:
-    """``x`` as `[N, K]` rows the kernels can read with 16-byte vectors (a copy only where needed)."""
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as `[N, K]` rows with unit stride along K (a copy only where needed)."""
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and (x2.stride(0) * x2.element_size()) % 16):
-        x2 = x2.contiguous()
-    if x2.data_ptr() % 16:
-        x2 = x2.clone()
-    return x2
+    return x2 if x2.stride(-1) == 1 or x2.shape[-1] == 1 else x2.contiguous()
 
 
 def flat_rows(x: torch.Tensor) -> torch.Tensor:
@@ -184,7 +182,7 @@ def flat_rows(x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     for length in (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8):
         if n % length == 0:
-            return rows_2d("x", x.view(-1, length))
+            return x.view(-1, length)
     return x.view(-1, x.shape[-1]) if x.dim() else x.view(1, 1)
 
 
@@ -201,7 +199,7 @@ def quantize_fp8_per_token_group(
 
     Args:
         x: `[..., K]` float32/float16/bfloat16, ``K`` a multiple of ``group_size``.
-        group_size: channels per scale, a power of two in [8, 256].
+        group_size: channels per scale, a power of two in [16, 256].
         scale_pow2: round each scale up to a power of two.
         out: optional ``(q, scales)`` buffers.
 
@@ -223,7 +221,7 @@ def quantize_fp8_per_token_group(
         q = check_out("out[0] (q)", q, (*lead, k), FP8, x)
         scales = check_out("out[1] (scales)", scales, (*lead, k // group_size), torch.float32, x)
     if x.numel():
-        torch.ops.flashinfer_moe.permute_(rows_2d("x", x), None, q, scales, None, K.FP8_GROUP, group_size, scale_pow2)
+        torch.ops.flashinfer_moe.permute_(rows_2d(x), None, q, scales, None, K.FP8_GROUP, group_size, scale_pow2)
     return q, scales
 
 
@@ -240,7 +238,7 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale=None, *, out=None) -> tuple[t
         ``(q float8_e4m3fn shaped like x, scale float32 0-d)``.
     """
     x = float_input("x", x, 0)
-    scale = tensor_scale(x, scale, "scale", ref.FP8_MAX)
+    scale = tensor_scale(x, "x", scale, "scale", ref.FP8_MAX)
     q = torch.empty(x.shape, dtype=FP8, device=x.device) if out is None else check_out("out", out, x.shape, FP8, x)
     if x.numel():
         torch.ops.flashinfer_moe.permute_(flat_rows(x), None, q, None, scale, K.FP8_TENSOR, 0, False)
@@ -289,7 +287,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale=None, *, out=None) -> tuple[tor
     x = float_input("x", x)
     if x.shape[-1] % 16:
         raise ValueError(f"x must have a last dimension K that is a multiple of 16, got shape {tuple(x.shape)}")
-    global_scale = tensor_scale(x, global_scale, "global_scale", ref.E2M1_MAX * ref.FP8_MAX)
+    global_scale = tensor_scale(x, "x", global_scale, "global_scale", ref.E2M1_MAX * ref.FP8_MAX)
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
     if out is None:
         packed = torch.empty(*lead, k // 2, dtype=torch.uint8, device=x.device)
@@ -299,7 +297,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale=None, *, out=None) -> tuple[tor
         packed = check_out("out[0] (packed)", packed, (*lead, k // 2), torch.uint8, x)
         block_scales = check_out("out[1] (block_scales)", block_scales, (*lead, k // 16), FP8, x)
     if x.numel():
-        torch.ops.flashinfer_moe.permute_(rows_2d("x", x), None, packed, block_scales, global_scale, K.NVFP4, 0, False)
+        torch.ops.flashinfer_moe.permute_(rows_2d(x), None, packed, block_scales, global_scale, K.NVFP4, 0, False)
     return packed, block_scales, global_scale
 
 
@@ -338,6 +336,6 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scales: torch.Tensor, global_sc
         result = check_out("out", out, shape, torch.float32, packed)
     if packed.numel():
         torch.ops.flashinfer_moe.dequantize_nvfp4_(
-            rows_2d("packed", packed), block_scales.contiguous(), global_scale, result
+            rows_2d(packed), block_scales.reshape(-1, k // 16), global_scale, result.view(-1, k)
         )
     return result

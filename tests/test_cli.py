@@ -22,7 +22,7 @@ def test_env_reports_every_field(tmp_path):
     assert res.returncode == 0, res.stderr
     for key in ("flashinfer-moe", "torch", "driver", "nvcc", "NCCL", "cache dir", "kernels"):
         assert any(line.startswith(key) for line in res.stdout.splitlines()), (key, res.stdout)
-    assert "probe, routing" in res.stdout
+    assert "permute, probe, quant, routing" in res.stdout
     assert ("GPU 0" in res.stdout) == torch.cuda.is_available()
 
 

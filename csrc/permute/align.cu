@@ -3,8 +3,9 @@
 //
 // The T * k pairs are cut into chunks of consecutive pairs, one warp per chunk, in three phases:
 //   1. count:  each warp counts its chunk's pairs per expert;
-//   2. scan:   per expert, an exclusive prefix of the chunk counts (where each chunk starts inside the expert),
-//              then the expert offsets (contiguous: padded counts, prefix-summed; masked: e * capacity);
+//   2. prefix: per expert (one warp each), an exclusive prefix of the chunk counts (where each chunk starts
+//              inside the expert) and its total; the expert offsets (contiguous: padded totals, prefix-summed;
+//              masked: e * capacity) are then derived by every block of phase 3 from the totals;
 //   3. rank:   each warp walks its chunk again, giving every pair its rank = chunk start + earlier pairs of the
 //              same expert in the chunk, and writes row_of / source_of.
 // Inside a warp, the lanes of one 32-pair step that share an expert are found with one ballot per bit of the
@@ -24,7 +25,6 @@ namespace align {
 
 constexpr int kWarpsPerBlock = 4;     // multi-launch phases 1 and 3
 constexpr int kMaxFusedWarps = 32;    // the one-block path
-constexpr int kScanThreads = 1024;    // multi-launch phase 2
 constexpr int kMaxExperts = 1024;
 constexpr int kSmemBudget = 44 * 1024;  // under the 48 KiB that needs no opt-in (an opt-in cannot be captured)
 constexpr int kPairsPerFusedWarp = 256;
@@ -40,7 +40,8 @@ struct AlignParams {
   int capacity;    // masked: slots per expert; < 0 selects the contiguous layout
   int chunk;       // pairs per chunk, a multiple of 32
   int num_chunks;
-  int32_t* chunk_counts;       // [E, num_chunks] workspace: counts, then each chunk's start inside its expert
+  int32_t* chunk_counts;       // workspace [E, num_chunks]: counts, then each chunk's start inside its expert;
+                               // then [E] expert totals (multi-launch path)
   int32_t* tokens_per_expert;  // [E]
   int32_t* expert_offsets;     // [E + 1]
   int32_t* row_of;             // [N]
@@ -148,61 +149,74 @@ __device__ int block_exclusive_scan(int* data, int n, int* warp_sums) {
   return total;
 }
 
-// Phase 2, by one block. totals: E shared ints; warp_sums: 32 shared ints.
-__device__ void scan_experts(const AlignParams& p, int* totals, int* warp_sums) {
-  const int E = p.num_experts, lane = threadIdx.x & 31;
-  // One warp per expert: its chunk counts are contiguous, loaded together, and prefix-summed across lanes.
-  for (int e = threadIdx.x >> 5; e < E; e += blockDim.x >> 5) {
-    int32_t* col = p.chunk_counts + static_cast<int64_t>(e) * p.num_chunks;
-    int v[kMaxChunkSlices];
+// Phase 2a for expert e, by one warp: its chunk counts (contiguous, loaded together) become each chunk's
+// start inside the expert; returns the expert's total.
+__device__ int prefix_over_chunks(const AlignParams& p, int e) {
+  const int lane = threadIdx.x & 31;
+  int32_t* col = p.chunk_counts + static_cast<int64_t>(e) * p.num_chunks;
+  int v[kMaxChunkSlices];
 #pragma unroll
-    for (int s = 0; s < kMaxChunkSlices; ++s) v[s] = s * 32 + lane < p.num_chunks ? col[s * 32 + lane] : 0;
-    int carry = 0;
+  for (int s = 0; s < kMaxChunkSlices; ++s) v[s] = s * 32 + lane < p.num_chunks ? col[s * 32 + lane] : 0;
+  int carry = 0;
 #pragma unroll
-    for (int s = 0; s < kMaxChunkSlices; ++s) {
-      int inclusive = v[s];
+  for (int s = 0; s < kMaxChunkSlices; ++s) {
+    if (s * 32 >= p.num_chunks) break;  // warp-uniform
+    int inclusive = v[s];
 #pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const int up = __shfl_up_sync(kFullMask, inclusive, offset);
-        if (lane >= offset) inclusive += up;
-      }
-      if (s * 32 + lane < p.num_chunks) col[s * 32 + lane] = carry + inclusive - v[s];
-      carry += __shfl_sync(kFullMask, inclusive, 31);
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int up = __shfl_up_sync(kFullMask, inclusive, offset);
+      if (lane >= offset) inclusive += up;
     }
-    if (lane == 0) totals[e] = carry;
+    if (s * 32 + lane < p.num_chunks) col[s * 32 + lane] = carry + inclusive - v[s];
+    carry += __shfl_sync(kFullMask, inclusive, 31);
   }
-  __syncthreads();
+  return carry;
+}
+
+// Phase 2b, by one block: expert totals (E shared ints) become the experts' first rows (contiguous:
+// prefix of the padded totals; masked: e * capacity), in place. Block 0 also writes the layout's
+// tokens_per_expert, expert_offsets and overflow count.
+__device__ void expert_offsets(const AlignParams& p, int* totals, int* warp_sums) {
+  const int E = p.num_experts;
+  const bool writer = blockIdx.x == 0;
   if (p.capacity >= 0) {
     int dropped = 0;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-      p.tokens_per_expert[e] = min(totals[e], p.capacity);
-      dropped += max(totals[e] - p.capacity, 0);
-      p.expert_offsets[e] = e * p.capacity;
+      const int total = totals[e];
+      if (writer) {
+        p.tokens_per_expert[e] = min(total, p.capacity);
+        p.expert_offsets[e] = e * p.capacity;
+      }
+      dropped += max(total - p.capacity, 0);
+      totals[e] = e * p.capacity;
     }
-    if (threadIdx.x == 0) p.expert_offsets[E] = E * p.capacity;
+    if (writer && threadIdx.x == 0) p.expert_offsets[E] = E * p.capacity;
     dropped = warp_sum_int(dropped);
-    if ((threadIdx.x & 31) == 0 && dropped > 0) atomicAdd(p.status, dropped);
+    if (writer && (threadIdx.x & 31) == 0 && dropped > 0) atomicAdd(p.status, dropped);
+    __syncthreads();
     return;
   }
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    p.tokens_per_expert[e] = totals[e];
+    if (writer) p.tokens_per_expert[e] = totals[e];
     totals[e] = (totals[e] + p.block_rows - 1) / p.block_rows * p.block_rows;
   }
   __syncthreads();
   const int total = block_exclusive_scan(totals, E, warp_sums);
-  for (int e = threadIdx.x; e < E; e += blockDim.x) p.expert_offsets[e] = totals[e];
-  if (threadIdx.x == 0) p.expert_offsets[E] = total;
+  if (writer) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) p.expert_offsets[e] = totals[e];
+    if (threadIdx.x == 0) p.expert_offsets[E] = total;
+  }
 }
 
-// Phase 3 for chunk c, by one warp; next is this warp's E shared counters: the next row of each expert
-// (contiguous) or its next slot (masked).
+// Phase 3 for chunk c, by one warp; first: the experts' first rows (shared, from expert_offsets); next: this
+// warp's E shared counters, the next row of each expert (contiguous) or its next slot (masked).
 template <typename IdT>
-__device__ void rank_chunk(const AlignParams& p, int c, int* next) {
+__device__ void rank_chunk(const AlignParams& p, int c, const int* first, int* next) {
   const int lane = threadIdx.x & 31;
   const bool masked = p.capacity >= 0;
   for (int e = lane; e < p.num_experts; e += 32) {
     const int start = p.chunk_counts[static_cast<int64_t>(e) * p.num_chunks + c];
-    next[e] = masked ? start : p.expert_offsets[e] + start;
+    next[e] = masked ? start : first[e] + start;
   }
   __syncwarp();
   const int key_bits = 32 - __clz(p.num_experts);  // keys 0 .. E, E standing for "no expert"
@@ -235,16 +249,21 @@ __device__ void rank_chunk(const AlignParams& p, int c, int* next) {
 
 template <typename IdT>
 __global__ void __launch_bounds__(kMaxFusedWarps * 32) align_fused_kernel(const AlignParams p) {
-  extern __shared__ int smem[];  // warps * E counters, E totals, 32 warp sums
+  extern __shared__ int smem[];  // warps * E counters, E totals / first rows, 32 warp sums
   const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   int* mine = smem + warp * p.num_experts;
   int* totals = smem + warps * p.num_experts;
   reset_outputs(p, 1);
   for (int c = warp; c < p.num_chunks; c += warps) count_chunk<IdT>(p, c, mine);
   __syncthreads();  // also orders the resets before phase 3's writes
-  scan_experts(p, totals, totals + p.num_experts);
+  for (int e = warp; e < p.num_experts; e += warps) {
+    const int total = prefix_over_chunks(p, e);
+    if ((threadIdx.x & 31) == 0) totals[e] = total;
+  }
   __syncthreads();
-  for (int c = warp; c < p.num_chunks; c += warps) rank_chunk<IdT>(p, c, mine);
+  expert_offsets(p, totals, totals + p.num_experts);
+  __syncthreads();
+  for (int c = warp; c < p.num_chunks; c += warps) rank_chunk<IdT>(p, c, totals, mine);
 }
 
 template <typename IdT>
@@ -255,16 +274,26 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) align_count_kernel(const 
   if (c < p.num_chunks) count_chunk<IdT>(p, c, smem + (threadIdx.x >> 5) * p.num_experts);
 }
 
-__global__ void __launch_bounds__(kScanThreads) align_scan_kernel(const AlignParams p) {
-  extern __shared__ int smem[];
-  scan_experts(p, smem, smem + p.num_experts);
+// One warp per expert, over the whole grid; the totals go to the workspace row after the chunk counts.
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) align_prefix_kernel(const AlignParams p) {
+  const int e = blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (e >= p.num_experts) return;
+  const int total = prefix_over_chunks(p, e);
+  if ((threadIdx.x & 31) == 0) p.chunk_counts[static_cast<int64_t>(p.num_experts) * p.num_chunks + e] = total;
 }
 
+// Every block derives the experts' first rows from the totals (a few KiB from L2), then ranks its chunks.
 template <typename IdT>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) align_rank_kernel(const AlignParams p) {
-  extern __shared__ int smem[];
+  extern __shared__ int smem[];  // kWarpsPerBlock * E counters, E totals / first rows, 32 warp sums
+  int* totals = smem + kWarpsPerBlock * p.num_experts;
+  const int32_t* global_totals = p.chunk_counts + static_cast<int64_t>(p.num_experts) * p.num_chunks;
+  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) totals[e] = global_totals[e];
+  __syncthreads();
+  expert_offsets(p, totals, totals + p.num_experts);
+  __syncthreads();
   const int c = blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
-  if (c < p.num_chunks) rank_chunk<IdT>(p, c, smem + (threadIdx.x >> 5) * p.num_experts);
+  if (c < p.num_chunks) rank_chunk<IdT>(p, c, totals, smem + (threadIdx.x >> 5) * p.num_experts);
 }
 
 // Warps of the one-block path: as many as 32 whose E counters each fit the shared-memory budget.
@@ -283,8 +312,8 @@ cudaError_t run(AlignParams p, bool fused, int warps, cudaStream_t s) {
   const int blocks = (p.num_chunks + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const size_t warp_smem = kWarpsPerBlock * E * sizeof(int);
   align_count_kernel<IdT><<<blocks, kWarpsPerBlock * 32, warp_smem, s>>>(p);
-  align_scan_kernel<<<1, kScanThreads, (E + 32) * sizeof(int), s>>>(p);
-  align_rank_kernel<IdT><<<blocks, kWarpsPerBlock * 32, warp_smem, s>>>(p);
+  align_prefix_kernel<<<(p.num_experts + kWarpsPerBlock - 1) / kWarpsPerBlock, kWarpsPerBlock * 32, 0, s>>>(p);
+  align_rank_kernel<IdT><<<blocks, kWarpsPerBlock * 32, warp_smem + (E + 32) * sizeof(int), s>>>(p);
   return cudaGetLastError();
 }
 
@@ -295,7 +324,7 @@ extern "C" {
 
 // Returns a cudaError_t; 0 on success. Arguments are validated in Python (flashinfer_moe/moe/layout.py).
 // capacity < 0: contiguous layout aligned to block_rows; capacity >= 0: masked layout. The workspace holds
-// workspace_ints >= 265 * num_experts ints (one row of counts per chunk, at most kTargetChunks + 1 chunks).
+// workspace_ints >= 265 * num_experts ints: the counts of every chunk (at most kTargetChunks) and the totals.
 int fim_moe_align(const void* ids, int ids_int64, int64_t num_pairs, int num_experts, int block_rows, int capacity,
                   int32_t* workspace, int64_t workspace_ints, int32_t* tokens_per_expert, int32_t* expert_offsets,
                   int32_t* row_of, int32_t* source_of, int64_t num_rows, int32_t* status, void* stream) {
@@ -308,7 +337,7 @@ int fim_moe_align(const void* ids, int ids_int64, int64_t num_pairs, int num_exp
   int64_t chunk = (num_pairs + (fused ? warps : kTargetChunks) - 1) / (fused ? warps : kTargetChunks);
   chunk = chunk < 32 ? 32 : (chunk + 31) / 32 * 32;
   const int64_t chunks = (num_pairs + chunk - 1) / chunk;
-  if (chunks * num_experts > workspace_ints || chunks > kMaxChunkSlices * 32) return cudaErrorInvalidValue;
+  if ((chunks + 1) * num_experts > workspace_ints || chunks > kMaxChunkSlices * 32) return cudaErrorInvalidValue;
   AlignParams p{ids,
                 num_pairs,
                 num_experts,

@@ -2,9 +2,9 @@
 // of the expert-major layout that holds one of its pairs (row_of[t, j] >= 0). With no row_of, row t goes to
 // row t: that is the plain quantizer.
 //
-// A 2-D grid: one block per (token, 1024-element tile of its row); each thread holds 8 consecutive elements
-// (one 16-byte load of bf16/fp16, two of fp32). FP8 group scales reduce over the group_size / 8 lanes of a group, NVFP4 block scales over a pair
-// of lanes; groups never straddle a warp because group_size divides 256.
+// A 2-D grid: one block per (token, tile of its row); each thread holds 16 consecutive elements. FP8 group
+// scales reduce over the group_size / 16 lanes of a group (groups never straddle a warp: group_size divides
+// 512); an NVFP4 block is exactly one thread's 16 elements.
 
 #include <cuda_runtime.h>
 
@@ -20,9 +20,12 @@ namespace permute {
 
 enum Mode : int { kCopy = 0, kFp8Group = 1, kFp8Tensor = 2, kNvfp4 = 3 };
 constexpr int kMaxTopK = 64;
-// Threads per block, each block one tile of a token's row. Small blocks keep more tokens in flight per SM:
-// measured on an H200 at T = 4096, H = 7168, 128 threads beat one 896-thread block per token by 10-15%.
-constexpr int kThreads = 128;
+// Threads per block, each block one tile of a token's row, each thread kElems consecutive elements (two
+// 16-byte loads of bf16). Small blocks keep more tokens in flight per SM: measured on an H200 at T = 4096,
+// H = 7168, 128-thread tiles beat one 896-thread block per token by 10-15%; 64 threads of 16 elements tile
+// 7168 exactly (7 tiles) and issue 16-byte FP8 stores.
+constexpr int kThreads = 64;
+constexpr int kElems = 16;
 
 struct ScatterParams {
   const void* in;  // [T, H], row stride in_stride elements
@@ -38,7 +41,7 @@ struct ScatterParams {
 };
 
 template <typename T, int MODE, bool VEC>
-__global__ void scatter_kernel(const ScatterParams p) {
+__global__ void __launch_bounds__(kThreads) scatter_kernel(const ScatterParams p) {
   __shared__ int32_t rows[kMaxTopK];
   const int64_t t = blockIdx.x;
   for (int j = threadIdx.x; j < p.top_k; j += blockDim.x) {
@@ -51,7 +54,7 @@ __global__ void scatter_kernel(const ScatterParams p) {
 
   const T* src = static_cast<const T*>(p.in) + t * p.in_stride;
   const int H = p.hidden;
-  if constexpr (!VEC) {  // unaligned rows or H % 8 != 0: element by element (copy and FP8 per-tensor only)
+  if constexpr (!VEC) {  // unaligned rows or H % 16 != 0: element by element (copy and FP8 per-tensor only)
     const float inv = MODE == kFp8Tensor ? inverse_scale(*p.scale) : 1.0f;
     for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < H; c += gridDim.y * blockDim.x) {
       const T v = src[c];
@@ -65,66 +68,71 @@ __global__ void scatter_kernel(const ScatterParams p) {
         }
       }
     }
-    return;
   } else {
-    float global_scale = 0.0f;
-    if constexpr (MODE == kFp8Tensor || MODE == kNvfp4) global_scale = *p.scale;
-    const int lane = threadIdx.x & 31;
-    // One tile of blockDim.x * 8 elements per block (blockIdx.y); every lane takes part in the group
-    // shuffles, idle ones holding zeros.
-    {
-      const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
-      const bool active = c < H;
-      Vec8<T> raw{};
-      if (active) raw = load8(src + c);
-      if constexpr (MODE == kCopy) {
-        if (!active) return;
-        for (int j = 0; j < p.top_k; ++j) {
-          if (rows[j] >= 0) store8(static_cast<T*>(p.out) + static_cast<int64_t>(rows[j]) * H + c, raw);
-        }
-        return;
+    // This thread's 16 consecutive elements of the block's tile (blockIdx.y); both vectors are loaded
+    // before either is used. Every lane takes part in the group shuffles, idle ones holding zeros.
+    const int c = (blockIdx.y * blockDim.x + threadIdx.x) * kElems;
+    const bool active = c < H;
+    Vec8<T> raw[2] = {};
+    if (active) {
+      raw[0] = load8(src + c);
+      raw[1] = load8(src + c + 8);
+    }
+    if constexpr (MODE == kCopy) {
+      if (!active) return;
+      for (int j = 0; j < p.top_k; ++j) {
+        if (rows[j] < 0) continue;
+        T* dst = static_cast<T*>(p.out) + static_cast<int64_t>(rows[j]) * H + c;
+        store8(dst, raw[0]);
+        store8(dst + 8, raw[1]);
       }
-      float v[8];
-      widen8(raw, v);
-      if constexpr (MODE == kFp8Group || MODE == kFp8Tensor) {
-        float scale = global_scale;
-        if constexpr (MODE == kFp8Group) {
-          float amax = 0.0f;
+      return;
+    }
+    float v[2][8];
+    widen8(raw[0], v[0]);
+    widen8(raw[1], v[1]);
+    float amax = 0.0f;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-          for (int offset = 1; offset < p.group_size / 8; offset <<= 1) {
-            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
-          }
-          scale = scale_from_amax(amax, kFp8Max);
-          if (p.scale_pow2) scale = round_up_pow2(scale);
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fmaxf(fabsf(v[0][i]), fabsf(v[1][i])));
+    if constexpr (MODE == kFp8Group || MODE == kFp8Tensor) {
+      float scale;
+      if constexpr (MODE == kFp8Tensor) {
+        scale = *p.scale;
+      } else {
+        for (int offset = 1; offset < p.group_size / kElems; offset <<= 1) {
+          amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
         }
-        if (!active) return;
-        const float inv = inverse_scale(scale);
+        scale = scale_from_amax(amax, kFp8Max);
+        if (p.scale_pow2) scale = round_up_pow2(scale);
+      }
+      if (!active) return;
+      const float inv = inverse_scale(scale);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(v[i], inv);
-        const uint2 q = fp8x8(v);
-        const bool leader = MODE == kFp8Group && (lane & (p.group_size / 8 - 1)) == 0;
-        const int groups = H / p.group_size;
-        for (int j = 0; j < p.top_k; ++j) {
-          if (rows[j] < 0) continue;
-          const int64_t r = rows[j];
-          *reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.out) + r * H + c) = q;
-          if (leader) static_cast<float*>(p.scales)[r * groups + c / p.group_size] = scale;
-        }
-      } else {  // kNvfp4
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
-        if (!active) return;
-        const uint8_t block_scale = nvfp4_block_scale(amax, global_scale);
-        const uint32_t packed = nvfp4x8(v, __fmul_rn(fp8_to_float(block_scale), global_scale));
-        for (int j = 0; j < p.top_k; ++j) {
-          if (rows[j] < 0) continue;
-          const int64_t r = rows[j];
-          *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(p.out) + r * (H / 2) + c / 2) = packed;
-          if ((lane & 1) == 0) static_cast<uint8_t*>(p.scales)[r * (H / 16) + c / 16] = block_scale;
-        }
+      for (int i = 0; i < 8; ++i) {
+        v[0][i] = __fmul_rn(v[0][i], inv);
+        v[1][i] = __fmul_rn(v[1][i], inv);
+      }
+      const uint2 lo = fp8x8(v[0]), hi = fp8x8(v[1]);
+      const uint4 q = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      const bool leader = MODE == kFp8Group && (threadIdx.x & (p.group_size / kElems - 1)) == 0;
+      const int groups = MODE == kFp8Group ? H / p.group_size : 0;
+      for (int j = 0; j < p.top_k; ++j) {
+        if (rows[j] < 0) continue;
+        const int64_t r = rows[j];
+        *reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.out) + r * H + c) = q;
+        if (leader) static_cast<float*>(p.scales)[r * groups + c / p.group_size] = scale;
+      }
+    } else {  // kNvfp4: this thread's 16 elements are exactly one block
+      if (!active) return;
+      const float global_scale = *p.scale;
+      const uint8_t block_scale = nvfp4_block_scale(amax, global_scale);
+      const float denom = __fmul_rn(fp8_to_float(block_scale), global_scale);
+      const uint2 packed = make_uint2(nvfp4x8(v[0], denom), nvfp4x8(v[1], denom));
+      for (int j = 0; j < p.top_k; ++j) {
+        if (rows[j] < 0) continue;
+        const int64_t r = rows[j];
+        *reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.out) + r * (H / 2) + c / 2) = packed;
+        static_cast<uint8_t*>(p.scales)[r * (H / 16) + c / 16] = block_scale;
       }
     }
   }
@@ -132,7 +140,7 @@ __global__ void scatter_kernel(const ScatterParams p) {
 
 template <typename T, int MODE, bool VEC>
 cudaError_t launch(const ScatterParams& p, int64_t num_tokens, cudaStream_t s) {
-  const int per_thread = VEC ? 8 : 1;
+  const int per_thread = VEC ? kElems : 1;
   const int items = (p.hidden + per_thread - 1) / per_thread;
   const int threads = items < 32 ? 32 : items > kThreads ? kThreads : (items + 31) / 32 * 32;
   const dim3 grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>((items + threads - 1) / threads));
@@ -146,7 +154,7 @@ cudaError_t launch_mode(const ScatterParams& p, int mode, bool vec, int64_t num_
     case kCopy:
       return vec ? launch<T, kCopy, true>(p, num_tokens, s) : launch<T, kCopy, false>(p, num_tokens, s);
     case kFp8Group:
-      return vec ? launch<T, kFp8Group, true>(p, num_tokens, s) : cudaErrorInvalidValue;
+      return vec ? launch<T, kFp8Group, true>(p, num_tokens, s) : cudaErrorInvalidValue;  // H % 16 == 0 always
     case kFp8Tensor:
       return vec ? launch<T, kFp8Tensor, true>(p, num_tokens, s) : launch<T, kFp8Tensor, false>(p, num_tokens, s);
     case kNvfp4:
@@ -162,8 +170,8 @@ cudaError_t launch_mode(const ScatterParams& p, int mode, bool vec, int64_t num_
 extern "C" {
 
 // Returns a cudaError_t; 0 on success. Arguments are validated in Python (flashinfer_moe/moe/permute.py).
-// mode: 0 copy, 1 FP8 per-token-group, 2 FP8 per-tensor, 3 NVFP4. vec: rows are 16-byte aligned and H % 8 == 0
-// (required by the quantizing modes).
+// mode: 0 copy, 1 FP8 per-token-group, 2 FP8 per-tensor, 3 NVFP4. vec: rows are 16-byte aligned and
+// H % 16 == 0 (required by the FP8 group and NVFP4 modes).
 int fim_permute(const void* in, int dtype, int64_t in_stride, const int32_t* row_of, int top_k, int64_t num_tokens,
                 int hidden, int mode, int vec, void* out, void* scales, const float* scale, int group_size,
                 int scale_pow2, void* stream) {
@@ -173,7 +181,7 @@ int fim_permute(const void* in, int dtype, int64_t in_stride, const int32_t* row
       (row_of == nullptr && top_k != 1)) {
     return cudaErrorInvalidValue;
   }
-  if (mode == kFp8Group && (group_size < 8 || group_size > 256 || (group_size & (group_size - 1)) != 0 ||
+  if (mode == kFp8Group && (group_size < 16 || group_size > 256 || (group_size & (group_size - 1)) != 0 ||
                             hidden % group_size != 0)) {
     return cudaErrorInvalidValue;
   }
