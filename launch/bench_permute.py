@@ -75,11 +75,21 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / (us * 1e-6) / 1e9
 
 
+def write_bandwidth() -> float:
+    """Writing 4 GiB (a fill kernel, nothing read), in GB/s: the ceiling of write-dominated kernels such as
+    permute, which writes each token k times and reads it once."""
+    dst = torch.empty(2**31, dtype=torch.bfloat16, device="cuda")
+    us = time_eager(lambda: dst.fill_(1.0), calls=10)
+    return dst.numel() * 2 / (us * 1e-6) / 1e9
+
+
 def routing_ids(num_tokens: int, gen: torch.Generator) -> torch.Tensor:
     return torch.rand(num_tokens, NUM_EXPERTS, generator=gen).argsort(-1)[:, :TOP_K].int().cuda()
 
 
-def bench(num_tokens: int, gen: torch.Generator, ceiling: float, ops: str | None, with_reference: bool) -> list[dict]:
+def bench(
+    num_tokens: int, gen: torch.Generator, ceiling: float, write_ceiling: float, ops: str | None, with_reference: bool
+) -> list[dict]:
     pairs = num_tokens * TOP_K
     ids = [routing_ids(num_tokens, gen) for _ in range(SETS)]
     xs = [torch.randn(num_tokens, HIDDEN, generator=gen).bfloat16().cuda() for _ in range(SETS)]
@@ -144,12 +154,13 @@ def bench(num_tokens: int, gen: torch.Generator, ceiling: float, ops: str | None
         gbps = nbytes / (us * 1e-6) / 1e9 if nbytes else float("nan")
         results.append(
             dict(op=name, tokens=num_tokens, bytes=nbytes, kernel_us=first, kernel_again_us=again, gbps=gbps,
-                 of_copy=gbps / ceiling, torch_us=reference_us, speedup=reference_us / us)
+                 of_copy=gbps / ceiling, of_write=gbps / write_ceiling, torch_us=reference_us,
+                 speedup=reference_us / us)
         )  # fmt: skip
         r = results[-1]
         print(
             f"{name:<30} {num_tokens:>6} {nbytes / 1e6:>9.1f} {first:>9.2f} {again:>9.2f} {gbps:>8.0f} "
-            f"{100 * r['of_copy']:>6.1f}% {reference_us:>10.1f} {r['speedup']:>8.1f}x",
+            f"{100 * r['of_copy']:>6.1f}% {100 * r['of_write']:>6.1f}% {reference_us:>10.1f} {r['speedup']:>8.1f}x",
             flush=True,
         )
     return results
@@ -167,34 +178,38 @@ def main() -> int:
         print("bench_permute: needs a CUDA GPU", file=sys.stderr)
         return 3
     gen = torch.Generator().manual_seed(0)
-    ceiling = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name()}: device-to-device copy {ceiling:.0f} GB/s (read + write)")
+    ceiling, write_ceiling = copy_bandwidth(), write_bandwidth()
     print(
-        f"{'op':<30} {'T':>6} {'MB moved':>9} {'us':>9} {'us again':>9} {'GB/s':>8} {'of copy':>7} "
+        f"# {torch.cuda.get_device_name()}: device-to-device copy {ceiling:.0f} GB/s (read + write), "
+        f"write-only fill {write_ceiling:.0f} GB/s"
+    )
+    print(
+        f"{'op':<30} {'T':>6} {'MB moved':>9} {'us':>9} {'us again':>9} {'GB/s':>8} {'of copy':>7} {'of fill':>7} "
         f"{'torch us':>10} {'speedup':>9}"
     )
     rows = []
     for num_tokens in [int(t) for t in args.tokens.split(",")]:
-        rows += bench(num_tokens, gen, ceiling, args.ops, not args.no_reference)
+        rows += bench(num_tokens, gen, ceiling, write_ceiling, args.ops, not args.no_reference)
     if args.markdown:
         lines = [
-            f"Copy ceiling (device-to-device, read + write): {ceiling:.0f} GB/s.",
+            f"Ceilings measured in the same run: device-to-device copy {ceiling:.0f} GB/s (read + write), "
+            f"write-only fill {write_ceiling:.0f} GB/s.",
             "",
-            "| op | T | MB that must move | kernel (us, timed twice) | GB/s | of copy bandwidth | torch reference (us) "
+            "| op | T | MB that must move | kernel (us, timed twice) | GB/s | of copy | of fill | torch reference (us) "
             "| reference / kernel |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in rows:
             mb = f"{r['bytes'] / 1e6:.1f}" if r["bytes"] else "-"
             gbps = f"{r['gbps']:.0f}" if r["bytes"] else "-"
-            share = f"{100 * r['of_copy']:.0f}%" if r["bytes"] else "-"
+            share = f"{100 * r['of_copy']:.0f}% | {100 * r['of_write']:.0f}%" if r["bytes"] else "- | -"
             lines.append(
                 f"| {r['op']} | {r['tokens']} | {mb} | {r['kernel_us']:.2f} / {r['kernel_again_us']:.2f} | {gbps} | "
                 f"{share} | {r['torch_us']:.1f} | {r['speedup']:.1f}x |"
             )
         args.markdown.write_text("\n".join(lines) + "\n")
     if args.json:
-        args.json.write_text(json.dumps(dict(copy_gbps=ceiling, rows=rows), indent=1))
+        args.json.write_text(json.dumps(dict(copy_gbps=ceiling, write_gbps=write_ceiling, rows=rows), indent=1))
     return 0
 
 

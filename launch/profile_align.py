@@ -1,6 +1,6 @@
 """Runs the layout kernels a few times at DeepSeek-V3 decode and prefill sizes, for a profiler:
 
-    ncu --clock-control none --kernel-name regex:align -c 8 python launch/profile_align.py
+ncu --clock-control none --kernel-name regex:align -c 8 python launch/profile_align.py
 """
 
 import torch

@@ -50,7 +50,8 @@ def _permute_cpu(hidden, row_of, out, scales, scale, kind, group_size, scale_pow
 
 def _permute_cuda(hidden, row_of, out, scales, scale, kind, group_size, scale_pow2):
     lib = K.permute_lib()
-    vec = K.vector_rows(hidden, 16) and K.vector_rows(out.view(-1, out.shape[-1]), 1)
+    # 8-element vectors for a plain copy, 16 (one NVFP4 block, 16 FP8 bytes) for the quantizing kinds.
+    vec = K.vector_rows(hidden, 8 if kind == K.COPY else 16) and K.vector_rows(out.view(-1, out.shape[-1]), 1)
     if not vec and kind in (K.FP8_GROUP, K.NVFP4):  # these read and write whole 16-element vectors
         hidden = K.aligned_copy(hidden)
         vec = K.vector_rows(hidden, 16)

@@ -82,7 +82,8 @@ __device__ void reset_outputs(const AlignParams& p, int blocks) {
 }
 
 // Phase 1 for chunk c, by one warp; hist is this warp's E shared counters (the order of the adds is free).
-template <typename IdT>
+// The multi-launch path publishes them to the workspace; the one-block path keeps them in shared memory.
+template <typename IdT, bool kPublish>
 __device__ void count_chunk(const AlignParams& p, int c, int* hist) {
   const int lane = threadIdx.x & 31;
   for (int e = lane; e < p.num_experts; e += 32) hist[e] = 0;
@@ -98,8 +99,12 @@ __device__ void count_chunk(const AlignParams& p, int c, int* hist) {
       if (e[b] >= 0) atomicAdd(hist + e[b], 1);
     }
   }
-  __syncwarp();
-  for (int e = lane; e < p.num_experts; e += 32) p.chunk_counts[static_cast<int64_t>(e) * p.num_chunks + c] = hist[e];
+  if constexpr (kPublish) {
+    __syncwarp();
+    for (int e = lane; e < p.num_experts; e += 32) {
+      p.chunk_counts[static_cast<int64_t>(e) * p.num_chunks + c] = hist[e];
+    }
+  }
 }
 
 // The lanes whose key equals this lane's, from one ballot per key bit (keys < 2**bits).
@@ -208,14 +213,15 @@ __device__ void expert_offsets(const AlignParams& p, int* totals, int* warp_sums
   }
 }
 
-// Phase 3 for chunk c, by one warp; first: the experts' first rows (shared, from expert_offsets); next: this
-// warp's E shared counters, the next row of each expert (contiguous) or its next slot (masked).
-template <typename IdT>
+// Phase 3 for chunk c, by one warp; first: the experts' first rows (shared); next: this warp's E shared
+// counters, made the next row of each expert (contiguous) or its next slot (masked) from the chunk's starts,
+// which the one-block path already holds there and the multi-launch path reads from the workspace.
+template <typename IdT, bool kFromWorkspace>
 __device__ void rank_chunk(const AlignParams& p, int c, const int* first, int* next) {
   const int lane = threadIdx.x & 31;
   const bool masked = p.capacity >= 0;
   for (int e = lane; e < p.num_experts; e += 32) {
-    const int start = p.chunk_counts[static_cast<int64_t>(e) * p.num_chunks + c];
+    const int start = kFromWorkspace ? p.chunk_counts[static_cast<int64_t>(e) * p.num_chunks + c] : next[e];
     next[e] = masked ? start : first[e] + start;
   }
   __syncwarp();
@@ -247,23 +253,36 @@ __device__ void rank_chunk(const AlignParams& p, int c, const int* first, int* n
   }
 }
 
+// The one-block path: one chunk per warp, every intermediate in shared memory (counts rows padded to E + 1
+// ints, so that a warp reading one expert's count from every row hits distinct banks).
 template <typename IdT>
 __global__ void __launch_bounds__(kMaxFusedWarps * 32) align_fused_kernel(const AlignParams p) {
-  extern __shared__ int smem[];  // warps * E counters, E totals / first rows, 32 warp sums
-  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  int* mine = smem + warp * p.num_experts;
-  int* totals = smem + warps * p.num_experts;
+  extern __shared__ int smem[];  // warps x (E + 1) counts, E totals / first rows, 32 warp sums
+  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+  const int E = p.num_experts, stride = E + 1;
+  int* totals = smem + warps * stride;
   reset_outputs(p, 1);
-  for (int c = warp; c < p.num_chunks; c += warps) count_chunk<IdT>(p, c, mine);
+  if (warp < p.num_chunks) {
+    count_chunk<IdT, false>(p, warp, smem + warp * stride);
+  } else {
+    for (int e = lane; e < E; e += 32) smem[warp * stride + e] = 0;
+  }
   __syncthreads();  // also orders the resets before phase 3's writes
-  for (int e = warp; e < p.num_experts; e += warps) {
-    const int total = prefix_over_chunks(p, e);
-    if ((threadIdx.x & 31) == 0) totals[e] = total;
+  for (int e = warp; e < E; e += warps) {  // prefix over the warps' counts, lane = chunk
+    const int v = lane < warps ? smem[lane * stride + e] : 0;
+    int inclusive = v;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int up = __shfl_up_sync(kFullMask, inclusive, offset);
+      if (lane >= offset) inclusive += up;
+    }
+    if (lane < warps) smem[lane * stride + e] = inclusive - v;
+    if (lane == 31) totals[e] = inclusive;
   }
   __syncthreads();
-  expert_offsets(p, totals, totals + p.num_experts);
+  expert_offsets(p, totals, totals + E);
   __syncthreads();
-  for (int c = warp; c < p.num_chunks; c += warps) rank_chunk<IdT>(p, c, totals, mine);
+  if (warp < p.num_chunks) rank_chunk<IdT, false>(p, warp, totals, smem + warp * stride);
 }
 
 template <typename IdT>
@@ -271,7 +290,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) align_count_kernel(const 
   extern __shared__ int smem[];
   reset_outputs(p, gridDim.x);  // phase 3 is a later launch, so these land first
   const int c = blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
-  if (c < p.num_chunks) count_chunk<IdT>(p, c, smem + (threadIdx.x >> 5) * p.num_experts);
+  if (c < p.num_chunks) count_chunk<IdT, true>(p, c, smem + (threadIdx.x >> 5) * p.num_experts);
 }
 
 // One warp per expert, over the whole grid; the totals go to the workspace row after the chunk counts.
@@ -293,12 +312,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) align_rank_kernel(const A
   expert_offsets(p, totals, totals + p.num_experts);
   __syncthreads();
   const int c = blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
-  if (c < p.num_chunks) rank_chunk<IdT>(p, c, totals, smem + (threadIdx.x >> 5) * p.num_experts);
+  if (c < p.num_chunks) rank_chunk<IdT, true>(p, c, totals, smem + (threadIdx.x >> 5) * p.num_experts);
 }
 
-// Warps of the one-block path: as many as 32 whose E counters each fit the shared-memory budget.
+// Warps of the one-block path: as many as 32 whose E + 1 counters each fit the shared-memory budget.
 inline int fused_warps(int num_experts) {
-  const int warps = (kSmemBudget / 4 - num_experts - 32) / num_experts;
+  const int warps = (kSmemBudget / 4 - num_experts - 32) / (num_experts + 1);
   return warps < 1 ? 1 : warps > kMaxFusedWarps ? kMaxFusedWarps : warps;
 }
 
@@ -306,7 +325,7 @@ template <typename IdT>
 cudaError_t run(AlignParams p, bool fused, int warps, cudaStream_t s) {
   const size_t E = p.num_experts;
   if (fused) {
-    align_fused_kernel<IdT><<<1, warps * 32, (warps * E + E + 32) * sizeof(int), s>>>(p);
+    align_fused_kernel<IdT><<<1, warps * 32, (warps * (E + 1) + E + 32) * sizeof(int), s>>>(p);
     return cudaGetLastError();
   }
   const int blocks = (p.num_chunks + kWarpsPerBlock - 1) / kWarpsPerBlock;

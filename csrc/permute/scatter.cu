@@ -69,24 +69,28 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(const ScatterParams p
       }
     }
   } else {
-    // This thread's 16 consecutive elements of the block's tile (blockIdx.y); both vectors are loaded
-    // before either is used. Every lane takes part in the group shuffles, idle ones holding zeros.
+    if constexpr (MODE == kCopy) {
+      // Two 8-element vectors a block-width apart, so each warp-wide load and store is one contiguous run.
+      const int c0 = (blockIdx.y * blockDim.x * 2 + threadIdx.x) * 8, c1 = c0 + blockDim.x * 8;
+      Vec8<T> raw[2];
+      if (c0 < H) raw[0] = load8(src + c0);
+      if (c1 < H) raw[1] = load8(src + c1);
+      for (int j = 0; j < p.top_k; ++j) {
+        if (rows[j] < 0) continue;
+        T* dst = static_cast<T*>(p.out) + static_cast<int64_t>(rows[j]) * H;
+        if (c0 < H) store8(dst + c0, raw[0]);
+        if (c1 < H) store8(dst + c1, raw[1]);
+      }
+      return;
+    }
+    // This thread's 16 consecutive elements of the block's tile (blockIdx.y), both vectors loaded before
+    // either is used. Every lane takes part in the group shuffles, idle ones holding zeros.
     const int c = (blockIdx.y * blockDim.x + threadIdx.x) * kElems;
     const bool active = c < H;
     Vec8<T> raw[2] = {};
     if (active) {
       raw[0] = load8(src + c);
       raw[1] = load8(src + c + 8);
-    }
-    if constexpr (MODE == kCopy) {
-      if (!active) return;
-      for (int j = 0; j < p.top_k; ++j) {
-        if (rows[j] < 0) continue;
-        T* dst = static_cast<T*>(p.out) + static_cast<int64_t>(rows[j]) * H + c;
-        store8(dst, raw[0]);
-        store8(dst + 8, raw[1]);
-      }
-      return;
     }
     float v[2][8];
     widen8(raw[0], v[0]);
