@@ -26,13 +26,11 @@ constexpr int kMaxTopK = 64;
 // 7168 exactly (7 tiles) and issue 16-byte FP8 stores.
 constexpr int kThreads = 64;
 constexpr int kElems = 16;
-constexpr int kTokens = 2;  // tokens per block on the vector path
 
 struct ScatterParams {
   const void* in;  // [T, H], row stride in_stride elements
   int64_t in_stride;
   const int32_t* row_of;  // [T, k], or nullptr for row t -> row t (k = 1)
-  int64_t num_tokens;
   int top_k;
   int hidden;
   void* out;           // [rows, H] of T (copy) or bytes (fp8), [rows, H / 2] bytes (nvfp4)
@@ -42,86 +40,27 @@ struct ScatterParams {
   int scale_pow2;
 };
 
-// Quantizes this thread's 16 elements of one token (v, amax over them) and stores them to each of its rows.
-// Called by every lane of the block (the FP8 group scale is a shuffle reduction); idle lanes pass zeros.
-template <int MODE>
-__device__ __forceinline__ void quantize_store(const ScatterParams& p, const int32_t* rows, float (&v)[2][8],
-                                               float amax, int c, bool active) {
-  const int H = p.hidden;
-  if constexpr (MODE == kFp8Group || MODE == kFp8Tensor) {
-    float scale;
-    if constexpr (MODE == kFp8Tensor) {
-      scale = *p.scale;
-    } else {
-      for (int offset = 1; offset < p.group_size / kElems; offset <<= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
-      }
-      scale = scale_from_amax(amax, kFp8Max);
-      if (p.scale_pow2) scale = round_up_pow2(scale);
-    }
-    if (!active) return;
-    const float inv = inverse_scale(scale);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      v[0][i] = __fmul_rn(v[0][i], inv);
-      v[1][i] = __fmul_rn(v[1][i], inv);
-    }
-    const uint2 lo = fp8x8(v[0]), hi = fp8x8(v[1]);
-    const uint4 q = make_uint4(lo.x, lo.y, hi.x, hi.y);
-    const bool leader = MODE == kFp8Group && (threadIdx.x & (p.group_size / kElems - 1)) == 0;
-    const int groups = MODE == kFp8Group ? H / p.group_size : 0;
-    for (int j = 0; j < p.top_k; ++j) {
-      if (rows[j] < 0) continue;
-      const int64_t r = rows[j];
-      *reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.out) + r * H + c) = q;
-      if (leader) static_cast<float*>(p.scales)[r * groups + c / p.group_size] = scale;
-    }
-  } else {  // kNvfp4: this thread's 16 elements are exactly one block
-    if (!active) return;
-    const float global_scale = *p.scale;
-    const uint8_t block_scale = nvfp4_block_scale(amax, global_scale);
-    const float denom = __fmul_rn(fp8_to_float(block_scale), global_scale);
-    const uint2 packed = make_uint2(nvfp4x8(v[0], denom), nvfp4x8(v[1], denom));
-    for (int j = 0; j < p.top_k; ++j) {
-      if (rows[j] < 0) continue;
-      const int64_t r = rows[j];
-      *reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.out) + r * (H / 2) + c / 2) = packed;
-      static_cast<uint8_t*>(p.scales)[r * (H / 16) + c / 16] = block_scale;
-    }
-  }
-}
-
-// Vector path: kTokens tokens per block, all their loads issued before any is used (more bytes in flight per
-// SM than one token per block gave); element path (unaligned rows, or H not a multiple of the vector): one.
 template <typename T, int MODE, bool VEC>
 __global__ void __launch_bounds__(kThreads) scatter_kernel(const ScatterParams p) {
-  constexpr int kTok = VEC ? kTokens : 1;
-  __shared__ int32_t rows[kTok][kMaxTopK];
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTok;
-  for (int u = 0; u < kTok; ++u) {
-    const int64_t t = t0 + u;
-    for (int j = threadIdx.x; j < p.top_k; j += blockDim.x) {
-      rows[u][j] = t >= p.num_tokens ? -1 : p.row_of != nullptr ? p.row_of[t * p.top_k + j] : static_cast<int32_t>(t);
-    }
+  __shared__ int32_t rows[kMaxTopK];
+  const int64_t t = blockIdx.x;
+  for (int j = threadIdx.x; j < p.top_k; j += blockDim.x) {
+    rows[j] = p.row_of != nullptr ? p.row_of[t * p.top_k + j] : static_cast<int32_t>(t);
   }
   __syncthreads();
-  bool any[kTok], any_token = false;
-  for (int u = 0; u < kTok; ++u) {
-    any[u] = false;
-    for (int j = 0; j < p.top_k; ++j) any[u] |= rows[u][j] >= 0;
-    any_token |= any[u];
-  }
-  if (!any_token) return;  // no pair of these tokens lives here: skip reading them
+  bool any = false;
+  for (int j = 0; j < p.top_k; ++j) any |= rows[j] >= 0;
+  if (!any) return;  // no pair of this token lives here: skip reading it
 
+  const T* src = static_cast<const T*>(p.in) + t * p.in_stride;
   const int H = p.hidden;
-  if constexpr (!VEC) {  // element by element (copy and FP8 per-tensor only)
-    const T* src = static_cast<const T*>(p.in) + t0 * p.in_stride;
+  if constexpr (!VEC) {  // unaligned rows or H % 16 != 0: element by element (copy and FP8 per-tensor only)
     const float inv = MODE == kFp8Tensor ? inverse_scale(*p.scale) : 1.0f;
     for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < H; c += gridDim.y * blockDim.x) {
       const T v = src[c];
       for (int j = 0; j < p.top_k; ++j) {
-        if (rows[0][j] < 0) continue;
-        const int64_t at = static_cast<int64_t>(rows[0][j]) * H + c;
+        if (rows[j] < 0) continue;
+        const int64_t at = static_cast<int64_t>(rows[j]) * H + c;
         if constexpr (MODE == kCopy) {
           static_cast<T*>(p.out)[at] = v;
         } else {
@@ -129,73 +68,101 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(const ScatterParams p
         }
       }
     }
-  } else if constexpr (MODE == kCopy) {
-    // Two 8-element vectors a block-width apart, so each warp-wide load and store is one contiguous run.
-    const int c0 = (blockIdx.y * blockDim.x * 2 + threadIdx.x) * 8, c1 = c0 + blockDim.x * 8;
-    Vec8<T> raw[kTok][2];
-#pragma unroll
-    for (int u = 0; u < kTok; ++u) {
-      const T* src = static_cast<const T*>(p.in) + (t0 + u) * p.in_stride;
-      if (any[u] && c0 < H) raw[u][0] = load8(src + c0);
-      if (any[u] && c1 < H) raw[u][1] = load8(src + c1);
-    }
-#pragma unroll
-    for (int u = 0; u < kTok; ++u) {
-      for (int j = 0; j < p.top_k; ++j) {
-        if (rows[u][j] < 0) continue;
-        T* dst = static_cast<T*>(p.out) + static_cast<int64_t>(rows[u][j]) * H;
-        if (c0 < H) store8(dst + c0, raw[u][0]);
-        if (c1 < H) store8(dst + c1, raw[u][1]);
-      }
-    }
   } else {
-    // This thread's 16 consecutive elements of the block's tile (blockIdx.y) of each token.
-    const int c = (blockIdx.y * blockDim.x + threadIdx.x) * kElems;
-    Vec8<T> raw[kTok][2] = {};
-#pragma unroll
-    for (int u = 0; u < kTok; ++u) {
-      const T* src = static_cast<const T*>(p.in) + (t0 + u) * p.in_stride;
-      if (any[u] && c < H) {
-        raw[u][0] = load8(src + c);
-        raw[u][1] = load8(src + c + 8);
+    if constexpr (MODE == kCopy) {
+      // Two 8-element vectors a block-width apart, so each warp-wide load and store is one contiguous run.
+      const int c0 = (blockIdx.y * blockDim.x * 2 + threadIdx.x) * 8, c1 = c0 + blockDim.x * 8;
+      Vec8<T> raw[2];
+      if (c0 < H) raw[0] = load8(src + c0);
+      if (c1 < H) raw[1] = load8(src + c1);
+      for (int j = 0; j < p.top_k; ++j) {
+        if (rows[j] < 0) continue;
+        T* dst = static_cast<T*>(p.out) + static_cast<int64_t>(rows[j]) * H;
+        if (c0 < H) store8(dst + c0, raw[0]);
+        if (c1 < H) store8(dst + c1, raw[1]);
       }
+      return;
     }
+    // This thread's 16 consecutive elements of the block's tile (blockIdx.y), both vectors loaded before
+    // either is used. Every lane takes part in the group shuffles, idle ones holding zeros.
+    const int c = (blockIdx.y * blockDim.x + threadIdx.x) * kElems;
+    const bool active = c < H;
+    Vec8<T> raw[2] = {};
+    if (active) {
+      raw[0] = load8(src + c);
+      raw[1] = load8(src + c + 8);
+    }
+    float v[2][8];
+    widen8(raw[0], v[0]);
+    widen8(raw[1], v[1]);
+    float amax = 0.0f;
 #pragma unroll
-    for (int u = 0; u < kTok; ++u) {
-      float v[2][8];
-      widen8(raw[u][0], v[0]);
-      widen8(raw[u][1], v[1]);
-      float amax = 0.0f;
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fmaxf(fabsf(v[0][i]), fabsf(v[1][i])));
+    if constexpr (MODE == kFp8Group || MODE == kFp8Tensor) {
+      float scale;
+      if constexpr (MODE == kFp8Tensor) {
+        scale = *p.scale;
+      } else {
+        for (int offset = 1; offset < p.group_size / kElems; offset <<= 1) {
+          amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+        }
+        scale = scale_from_amax(amax, kFp8Max);
+        if (p.scale_pow2) scale = round_up_pow2(scale);
+      }
+      if (!active) return;
+      const float inv = inverse_scale(scale);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fmaxf(fabsf(v[0][i]), fabsf(v[1][i])));
-      quantize_store<MODE>(p, rows[u], v, amax, c, any[u] && c < H);
+      for (int i = 0; i < 8; ++i) {
+        v[0][i] = __fmul_rn(v[0][i], inv);
+        v[1][i] = __fmul_rn(v[1][i], inv);
+      }
+      const uint2 lo = fp8x8(v[0]), hi = fp8x8(v[1]);
+      const uint4 q = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      const bool leader = MODE == kFp8Group && (threadIdx.x & (p.group_size / kElems - 1)) == 0;
+      const int groups = MODE == kFp8Group ? H / p.group_size : 0;
+      for (int j = 0; j < p.top_k; ++j) {
+        if (rows[j] < 0) continue;
+        const int64_t r = rows[j];
+        *reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.out) + r * H + c) = q;
+        if (leader) static_cast<float*>(p.scales)[r * groups + c / p.group_size] = scale;
+      }
+    } else {  // kNvfp4: this thread's 16 elements are exactly one block
+      if (!active) return;
+      const float global_scale = *p.scale;
+      const uint8_t block_scale = nvfp4_block_scale(amax, global_scale);
+      const float denom = __fmul_rn(fp8_to_float(block_scale), global_scale);
+      const uint2 packed = make_uint2(nvfp4x8(v[0], denom), nvfp4x8(v[1], denom));
+      for (int j = 0; j < p.top_k; ++j) {
+        if (rows[j] < 0) continue;
+        const int64_t r = rows[j];
+        *reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.out) + r * (H / 2) + c / 2) = packed;
+        static_cast<uint8_t*>(p.scales)[r * (H / 16) + c / 16] = block_scale;
+      }
     }
   }
 }
 
 template <typename T, int MODE, bool VEC>
-cudaError_t launch(const ScatterParams& p, cudaStream_t s) {
+cudaError_t launch(const ScatterParams& p, int64_t num_tokens, cudaStream_t s) {
   const int per_thread = VEC ? kElems : 1;
-  const int tokens_per_block = VEC ? kTokens : 1;
   const int items = (p.hidden + per_thread - 1) / per_thread;
   const int threads = items < 32 ? 32 : items > kThreads ? kThreads : (items + 31) / 32 * 32;
-  const dim3 grid(static_cast<unsigned>((p.num_tokens + tokens_per_block - 1) / tokens_per_block),
-                  static_cast<unsigned>((items + threads - 1) / threads));
+  const dim3 grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>((items + threads - 1) / threads));
   scatter_kernel<T, MODE, VEC><<<grid, threads, 0, s>>>(p);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launch_mode(const ScatterParams& p, int mode, bool vec, cudaStream_t s) {
+cudaError_t launch_mode(const ScatterParams& p, int mode, bool vec, int64_t num_tokens, cudaStream_t s) {
   switch (mode) {
     case kCopy:
-      return vec ? launch<T, kCopy, true>(p, s) : launch<T, kCopy, false>(p, s);
-    case kFp8Group:  // the caller makes the input aligned: H % 16 == 0 always holds here
-      return vec ? launch<T, kFp8Group, true>(p, s) : cudaErrorInvalidValue;
+      return vec ? launch<T, kCopy, true>(p, num_tokens, s) : launch<T, kCopy, false>(p, num_tokens, s);
+    case kFp8Group:
+      return vec ? launch<T, kFp8Group, true>(p, num_tokens, s) : cudaErrorInvalidValue;  // H % 16 == 0 always
     case kFp8Tensor:
-      return vec ? launch<T, kFp8Tensor, true>(p, s) : launch<T, kFp8Tensor, false>(p, s);
+      return vec ? launch<T, kFp8Tensor, true>(p, num_tokens, s) : launch<T, kFp8Tensor, false>(p, num_tokens, s);
     case kNvfp4:
-      return vec ? launch<T, kNvfp4, true>(p, s) : cudaErrorInvalidValue;
+      return vec ? launch<T, kNvfp4, true>(p, num_tokens, s) : cudaErrorInvalidValue;
     default:
       return cudaErrorInvalidValue;
   }
@@ -223,15 +190,15 @@ int fim_permute(const void* in, int dtype, int64_t in_stride, const int32_t* row
     return cudaErrorInvalidValue;
   }
   if (mode == kNvfp4 && hidden % 16 != 0) return cudaErrorInvalidValue;
-  ScatterParams p{in, in_stride, row_of, num_tokens, top_k, hidden, out, scales, scale, group_size, scale_pow2};
+  ScatterParams p{in, in_stride, row_of, top_k, hidden, out, scales, scale, group_size, scale_pow2};
   auto s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case fim::kFloat32:
-      return launch_mode<float>(p, mode, vec != 0, s);
+      return launch_mode<float>(p, mode, vec != 0, num_tokens, s);
     case fim::kFloat16:
-      return launch_mode<__half>(p, mode, vec != 0, s);
+      return launch_mode<__half>(p, mode, vec != 0, num_tokens, s);
     case fim::kBFloat16:
-      return launch_mode<__nv_bfloat16>(p, mode, vec != 0, s);
+      return launch_mode<__nv_bfloat16>(p, mode, vec != 0, num_tokens, s);
     default:
       return cudaErrorInvalidValue;
   }
