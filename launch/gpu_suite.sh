@@ -4,8 +4,9 @@
 #
 #   bash launch/gpu_suite.sh LOGDIR [--quick | --no-bench]
 #
-# --quick: a short routing benchmark; --no-bench: none. With two or more GPUs it also runs the multigpu
-# tier and records the probe's outputs (plain, --json, --bandwidth, and a forced failure) in probe.txt.
+# --quick: a short routing benchmark; --no-bench: none. BENCHES="permute" (default "routing permute") picks
+# the benchmarks; SKIP_CPU_TIER=1 skips the CPU tests. With two or more GPUs it also runs the multigpu tier and
+# records the probe's outputs (plain, --json, --bandwidth, and a forced failure) in probe.txt.
 set -uo pipefail
 LOG=${1:?usage: gpu_suite.sh LOGDIR [--quick]}
 QUICK=${2:-}
@@ -46,6 +47,14 @@ x = torch.randn(16, 256, device="cuda")
 t0 = time.perf_counter(); flashinfer_moe.route(x, 8); torch.cuda.synchronize(); t1 = time.perf_counter()
 flashinfer_moe.route(x, 8); torch.cuda.synchronize(); t2 = time.perf_counter()
 print(f"first route() call (compile + load + run): {t1 - t0:.2f} s; second call: {(t2 - t1) * 1e3:.3f} ms")
+ids = torch.randint(0, 256, (16, 8), device="cuda", dtype=torch.int32)
+h = torch.randn(16, 7168, device="cuda", dtype=torch.bfloat16)
+def layer():
+    layout = flashinfer_moe.moe_align_contiguous(ids, 256, 128)
+    flashinfer_moe.permute_fp8_per_token_group(h, layout)
+t0 = time.perf_counter(); layer(); torch.cuda.synchronize(); t1 = time.perf_counter()
+layer(); torch.cuda.synchronize(); t2 = time.perf_counter()
+print(f"first align + permute call (compile + load + run): {t1 - t0:.2f} s; second call: {(t2 - t1) * 1e3:.3f} ms")
 PYEOF
 
 if [ -z "${SKIP_CPU_TIER:-}" ]; then  # SKIP_CPU_TIER=1 saves device time when only GPU code changed
@@ -79,11 +88,14 @@ for so in $(find "$FLASHINFER_MOE_CACHE_DIR" -name 'lib*.so' | sort); do
   cuobjdump --dump-resource-usage "$so" 2>&1 | grep -E "Function|REG" | head -60
 done | tee -a "$LOG/jit.txt"
 
-if [ "$QUICK" != "--no-bench" ]; then
+BENCHES=${BENCHES:-routing permute}
+if [ "$QUICK" != "--no-bench" ] && [[ " $BENCHES " == *" routing "* ]]; then
   step "benchmark: routing"
   if [ "$QUICK" = "--quick" ]; then extra="--tokens 1,4096 --models deepseek_v3 --no-compile"; else extra=""; fi
   $PY "$REPO/launch/bench_routing.py" $extra --markdown "$LOG/bench_routing.md" --json "$LOG/bench_routing.json"
   [ $? = 0 ] || status=1
+fi
+if [ "$QUICK" != "--no-bench" ] && [[ " $BENCHES " == *" permute "* ]]; then
   step "benchmark: layout, permute and combine"
   $PY "$REPO/launch/bench_permute.py" --markdown "$LOG/bench_permute.md" --json "$LOG/bench_permute.json"
   [ $? = 0 ] || status=1
