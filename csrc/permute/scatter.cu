@@ -109,22 +109,34 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(const ScatterParams p
         scale = scale_from_amax(amax, kFp8Max);
         if (p.scale_pow2) scale = round_up_pow2(scale);
       }
-      if (!active) return;
-      const float inv = inverse_scale(scale);
+      // FP8 group scales are staged in shared memory and stored by consecutive threads, so that each block
+      // writes its tile's scales of a row as one whole sector rather than 16-byte halves from two warps.
+      __shared__ float tile_scales[kThreads];
+      const int lanes = MODE == kFp8Group ? p.group_size / kElems : 1;
+      if constexpr (MODE == kFp8Group) {
+        if (active && (threadIdx.x & (lanes - 1)) == 0) tile_scales[threadIdx.x / lanes] = scale;
+        __syncthreads();
+      }
+      if (active) {
+        const float inv = inverse_scale(scale);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        v[0][i] = __fmul_rn(v[0][i], inv);
-        v[1][i] = __fmul_rn(v[1][i], inv);
+        for (int i = 0; i < 8; ++i) {
+          v[0][i] = __fmul_rn(v[0][i], inv);
+          v[1][i] = __fmul_rn(v[1][i], inv);
+        }
       }
       const uint2 lo = fp8x8(v[0]), hi = fp8x8(v[1]);
       const uint4 q = make_uint4(lo.x, lo.y, hi.x, hi.y);
-      const bool leader = MODE == kFp8Group && (threadIdx.x & (p.group_size / kElems - 1)) == 0;
       const int groups = MODE == kFp8Group ? H / p.group_size : 0;
+      const int first_group = MODE == kFp8Group ? blockIdx.y * blockDim.x / lanes : 0;
+      const int tile_groups = MODE == kFp8Group ? min(static_cast<int>(blockDim.x) / lanes, groups - first_group) : 0;
       for (int j = 0; j < p.top_k; ++j) {
         if (rows[j] < 0) continue;
         const int64_t r = rows[j];
-        *reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.out) + r * H + c) = q;
-        if (leader) static_cast<float*>(p.scales)[r * groups + c / p.group_size] = scale;
+        if (active) *reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.out) + r * H + c) = q;
+        if (static_cast<int>(threadIdx.x) < tile_groups) {
+          static_cast<float*>(p.scales)[r * groups + first_group + threadIdx.x] = tile_scales[threadIdx.x];
+        }
       }
     } else {  // kNvfp4: this thread's 16 elements are exactly one block
       if (!active) return;
