@@ -3,6 +3,8 @@ what was given."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -41,3 +43,11 @@ def integer(name: str, value: object, low: int | None = None, high: int | None =
 def unit_last_stride(name: str, t: torch.Tensor) -> None:
     if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {tuple(t.stride())}")
+
+
+def finite_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,47 +22,10 @@ import torch
 import flashinfer_moe as fm
 from flashinfer_moe import reference as ref
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import time_eager, time_graph  # noqa: E402
+
 NUM_EXPERTS, TOP_K, HIDDEN, BLOCK_ROWS, SETS = 256, 8, 7168, 128, 8
-
-
-def time_graph(fn, calls: int, reps: int = 20) -> float:
-    """Median GPU time per call (us) of ``fn(i)`` for i = 0 .. calls - 1 captured in one graph."""
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples)
-
-
-def time_eager(fn, calls: int = 5, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples)
 
 
 def copy_bandwidth() -> float:
@@ -71,7 +33,7 @@ def copy_bandwidth() -> float:
     copy engines instead), in GB/s counting bytes read plus bytes written."""
     src = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    us = time_eager(lambda: dst.copy_(src), calls=10)
+    us = time_eager(lambda: dst.copy_(src), calls=10, reps=5)
     return 2 * src.numel() * 2 / (us * 1e-6) / 1e9
 
 
@@ -79,7 +41,7 @@ def write_bandwidth() -> float:
     """Writing 4 GiB (a fill kernel, nothing read), in GB/s: the ceiling of write-dominated kernels such as
     permute, which writes each token k times and reads it once."""
     dst = torch.empty(2**31, dtype=torch.bfloat16, device="cuda")
-    us = time_eager(lambda: dst.fill_(1.0), calls=10)
+    us = time_eager(lambda: dst.fill_(1.0), calls=10, reps=5)
     return dst.numel() * 2 / (us * 1e-6) / 1e9
 
 
@@ -147,9 +109,9 @@ def bench(
     results = []
     for name, nbytes, kernel, torch_ref in cases:
         calls = SETS * (4 if num_tokens <= 512 else 1)
-        first = time_graph(lambda i, kernel=kernel: kernel(i % SETS), calls)
-        again = time_graph(lambda i, kernel=kernel: kernel(i % SETS), calls)
-        reference_us = time_eager(torch_ref) if with_reference else float("nan")
+        first = time_graph(lambda i, kernel=kernel: kernel(i % SETS), calls, reps=20)
+        again = time_graph(lambda i, kernel=kernel: kernel(i % SETS), calls, reps=20)
+        reference_us = time_eager(torch_ref, calls=5, reps=5) if with_reference else float("nan")
         us = min(first, again)
         gbps = nbytes / (us * 1e-6) / 1e9 if nbytes else float("nan")
         results.append(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,46 +25,7 @@ from flashinfer_moe import reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_configs import MODEL_ROUTING, model_inputs  # noqa: E402
-
-
-def time_eager(fn, calls: int = 100, reps: int = 7) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples)
-
-
-def time_graph(fn, calls: int = 20, reps: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples)
+from timing import time_eager, time_graph  # noqa: E402
 
 
 def main() -> int:
@@ -110,12 +70,12 @@ def main() -> int:
             def ref(logits=logits, top_k=top_k, kwargs=kwargs):
                 reference.route(logits, top_k, **kwargs)
 
-            k_graph = time_graph(kernel)
-            k_graph_again = time_graph(kernel)  # the same measurement twice: its spread is the noise floor
+            k_graph = time_graph(lambda i: kernel())  # noqa: B023
+            k_graph_again = time_graph(lambda i: kernel())  # noqa: B023  # the same measurement twice: its spread is the noise floor
             k_eager = time_eager(kernel)
             r_eager = time_eager(ref, calls=20)
             try:
-                r_graph = time_graph(ref, calls=5)
+                r_graph = time_graph(lambda i: ref(), calls=5)  # noqa: B023
             except Exception as exc:  # report, do not hide, a reference that cannot be captured
                 print(f"  (reference not capturable: {type(exc).__name__}: {exc})")
                 r_graph = float("nan")

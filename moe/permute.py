@@ -9,8 +9,6 @@ Dimension legend: ``T`` tokens, ``k`` top-k, ``H`` hidden size, ``E`` experts, `
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from flashinfer_moe import _checks
@@ -319,11 +317,7 @@ def combine(
         residual = residual.contiguous()
     scale = 1.0
     if routed_scaling_factor is not None:
-        if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
-            raise TypeError(f"routed_scaling_factor must be a float, got {type(routed_scaling_factor).__name__}")
-        scale = float(routed_scaling_factor)
-        if not math.isfinite(scale):
-            raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor}")
+        scale = _checks.finite_float("routed_scaling_factor", routed_scaling_factor)
     out = (
         torch.empty(shape, dtype=out_dtype, device=y.device)
         if out is None

@@ -6,7 +6,6 @@ Dimension legend: ``T`` tokens, ``E`` experts, ``G`` expert groups, ``k`` top-k.
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 
@@ -165,11 +164,7 @@ def route(
 
     scale = 1.0
     if routed_scaling_factor is not None:
-        if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
-            raise TypeError(f"routed_scaling_factor must be a float, got {type(routed_scaling_factor).__name__}")
-        scale = float(routed_scaling_factor)
-        if not math.isfinite(scale):
-            raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor}")
+        scale = _checks.finite_float("routed_scaling_factor", routed_scaling_factor)
 
     if out is None:
         weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)  # [T, k]

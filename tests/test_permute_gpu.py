@@ -6,6 +6,7 @@ Rows of a layout that hold no pair are left unwritten by the kernels: they must 
 
 import pytest
 import torch
+from checks import bits
 
 import flashinfer_moe as fm
 from flashinfer_moe import reference as ref
@@ -33,11 +34,6 @@ def randn(g, *shape, dtype=torch.float32, spread=2.0):
     # Rows of very different magnitudes, so that scales differ from row to row and group to group.
     x = torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape[:-1], 1, generator=g) * spread)
     return x.to(dtype)
-
-
-def bits(t):
-    t = t.detach().cpu()
-    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def poisoned(shape, dtype):

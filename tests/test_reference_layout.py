@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from checks import assert_error_names_argument, bits
 
 from flashinfer_moe import ExpertLayout, reference
 from flashinfer_moe import reference_quant as rq
@@ -344,20 +345,10 @@ BAD = {
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_names_the_argument(case):
-    call, exc, name = BAD[case]
-    with pytest.raises(exc) as info:
-        call()
-    message = str(info.value)
-    assert message.startswith(f"{name} ") or f" {name} " in message or f"{name}[" in message, message
-    assert "got" in message, message
+    assert_error_names_argument(*BAD[case])
 
 
 # ------------------------------------------------------------------------------------------ CPU vs CUDA
-
-
-def _bits(t):
-    t = t.cpu()
-    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def _fields(layout):
@@ -395,4 +386,4 @@ def test_cuda_matches_cpu_bit_for_bit(rng):
     for name, call in calls.items():
         cpu, cuda = call("cpu"), call("cuda")
         cpu, cuda = (cpu, cuda) if isinstance(cpu, tuple) else ((cpu,), (cuda,))
-        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(cpu, cuda, strict=True)), f"{name} seed={seed}"
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(cpu, cuda, strict=True)), f"{name} seed={seed}"

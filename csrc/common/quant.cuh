@@ -59,7 +59,8 @@ __device__ __forceinline__ uint2 fp8x8(const float (&v)[8]) {
 // neighbour has the even code, inclusive where the upper one has. NaN magnitudes encode as zero.
 __device__ __forceinline__ uint32_t e2m1_code(float v) {
   const float a = fabsf(v);
-  const uint32_t index = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  const uint32_t index =
+      (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
   return index | ((__float_as_uint(v) >> 31) << 3);
 }
 

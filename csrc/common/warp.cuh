@@ -31,4 +31,15 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 __device__ __forceinline__ int warp_sum_int(int x) { return __reduce_add_sync(kFullMask, x); }
 
+// Sum of x over lanes 0 .. this lane.
+__device__ __forceinline__ int warp_inclusive_sum(int x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int up = __shfl_up_sync(kFullMask, x, offset);
+    if (lane >= offset) x += up;
+  }
+  return x;
+}
+
 }  // namespace fim

@@ -23,12 +23,12 @@
 namespace fim {
 namespace align {
 
-constexpr int kWarpsPerBlock = 4;     // multi-launch phases 1 and 3
-constexpr int kMaxFusedWarps = 32;    // the one-block path
+constexpr int kWarpsPerBlock = 4;   // multi-launch phases 1 and 3
+constexpr int kMaxFusedWarps = 32;  // the one-block path
 constexpr int kMaxExperts = 1024;
 constexpr int kSmemBudget = 44 * 1024;  // under the 48 KiB that needs no opt-in (an opt-in cannot be captured)
 constexpr int kPairsPerFusedWarp = 256;
-constexpr int kTargetChunks = 264;   // two warps per SM on a 132-SM GPU
+constexpr int kTargetChunks = 264;  // two warps per SM on a 132-SM GPU
 constexpr int kMaxChunkSlices = 9;  // chunks <= 9 * 32: each expert's chunk counts fit 9 registers per lane
 constexpr int kBatch = 8;           // 32-pair steps whose id loads are issued together
 
@@ -125,21 +125,11 @@ __device__ int block_exclusive_scan(int* data, int n, int* warp_sums) {
   const int begin = min(n, tid * per_thread), end = min(n, begin + per_thread);
   int local = 0;
   for (int i = begin; i < end; ++i) local += data[i];
-  int inclusive = local;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const int v = __shfl_up_sync(kFullMask, inclusive, offset);
-    if (lane >= offset) inclusive += v;
-  }
+  const int inclusive = warp_inclusive_sum(local);
   if (lane == 31) warp_sums[warp] = inclusive;
   __syncthreads();
   if (warp == 0) {
-    int w = lane < warps ? warp_sums[lane] : 0;
-#pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const int v = __shfl_up_sync(kFullMask, w, offset);
-      if (lane >= offset) w += v;
-    }
+    const int w = warp_inclusive_sum(lane < warps ? warp_sums[lane] : 0);
     if (lane < warps) warp_sums[lane] = w;  // inclusive over warps
   }
   __syncthreads();
@@ -166,12 +156,7 @@ __device__ int prefix_over_chunks(const AlignParams& p, int e) {
 #pragma unroll
   for (int s = 0; s < kMaxChunkSlices; ++s) {
     if (s * 32 >= p.num_chunks) break;  // warp-uniform
-    int inclusive = v[s];
-#pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const int up = __shfl_up_sync(kFullMask, inclusive, offset);
-      if (lane >= offset) inclusive += up;
-    }
+    const int inclusive = warp_inclusive_sum(v[s]);
     if (s * 32 + lane < p.num_chunks) col[s * 32 + lane] = carry + inclusive - v[s];
     carry += __shfl_sync(kFullMask, inclusive, 31);
   }
@@ -267,15 +252,10 @@ __global__ void __launch_bounds__(kMaxFusedWarps * 32) align_fused_kernel(const 
   } else {
     for (int e = lane; e < E; e += 32) smem[warp * stride + e] = 0;
   }
-  __syncthreads();  // also orders the resets before phase 3's writes
+  __syncthreads();                         // also orders the resets before phase 3's writes
   for (int e = warp; e < E; e += warps) {  // prefix over the warps' counts, lane = chunk
     const int v = lane < warps ? smem[lane * stride + e] : 0;
-    int inclusive = v;
-#pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const int up = __shfl_up_sync(kFullMask, inclusive, offset);
-      if (lane >= offset) inclusive += up;
-    }
+    const int inclusive = warp_inclusive_sum(v);
     if (lane < warps) smem[lane * stride + e] = inclusive - v;
     if (lane == 31) totals[e] = inclusive;
   }

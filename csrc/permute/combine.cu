@@ -84,7 +84,8 @@ __global__ void combine_kernel(const CombineParams p) {
     for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < H; c += gridDim.y * blockDim.x) {
       float acc = 0.0f;
       for (int j = 0; j < p.top_k; ++j) {
-        if (rows[j] >= 0) acc = __fadd_rn(acc, __fmul_rn(weights[j], to_float(y[static_cast<int64_t>(rows[j]) * H + c])));
+        if (rows[j] >= 0)
+          acc = __fadd_rn(acc, __fmul_rn(weights[j], to_float(y[static_cast<int64_t>(rows[j]) * H + c])));
       }
       if (p.has_scale) acc = __fmul_rn(acc, p.scale);
       if (residual != nullptr) acc = __fadd_rn(acc, to_float(residual[t * H + c]));

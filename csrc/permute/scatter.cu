@@ -197,8 +197,8 @@ int fim_permute(const void* in, int dtype, int64_t in_stride, const int32_t* row
       (row_of == nullptr && top_k != 1)) {
     return cudaErrorInvalidValue;
   }
-  if (mode == kFp8Group && (group_size < 16 || group_size > 256 || (group_size & (group_size - 1)) != 0 ||
-                            hidden % group_size != 0)) {
+  if (mode == kFp8Group &&
+      (group_size < 16 || group_size > 256 || (group_size & (group_size - 1)) != 0 || hidden % group_size != 0)) {
     return cudaErrorInvalidValue;
   }
   if (mode == kNvfp4 && hidden % 16 != 0) return cudaErrorInvalidValue;

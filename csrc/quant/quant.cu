@@ -70,9 +70,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // e2m1(code) * float(block scale) * global scale, eight codes (one 32-bit word) per thread.
-__global__ void __launch_bounds__(kThreads)
-    dequant_nvfp4_kernel(const uint32_t* packed, const uint8_t* block_scales, const float* global_scale,
-                         int64_t words, float* out) {
+__global__ void __launch_bounds__(kThreads) dequant_nvfp4_kernel(const uint32_t* packed, const uint8_t* block_scales,
+                                                                 const float* global_scale, int64_t words, float* out) {
   constexpr float kGrid[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
   const float gs = *global_scale;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -147,16 +146,16 @@ int fim_quantize_fp8_block(const void* w, int dtype, int64_t batch, int64_t n, i
   auto* out = static_cast<uint8_t*>(q);
   switch (dtype) {
     case fim::kFloat32:
-      block_weights_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(static_cast<const float*>(w), n, k, bn,
-                                                                              bk, out, scales);
+      block_weights_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(static_cast<const float*>(w), n, k, bn, bk,
+                                                                             out, scales);
       break;
     case fim::kFloat16:
       block_weights_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(static_cast<const __half*>(w), n, k, bn,
-                                                                              bk, out, scales);
+                                                                             bk, out, scales);
       break;
     case fim::kBFloat16:
-      block_weights_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(static_cast<const __nv_bfloat16*>(w), n,
-                                                                              k, bn, bk, out, scales);
+      block_weights_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(static_cast<const __nv_bfloat16*>(w), n, k,
+                                                                             bn, bk, out, scales);
       break;
     default:
       return cudaErrorInvalidValue;
