@@ -18,7 +18,7 @@ from flashinfer_moe._ops import DTYPE_CODES, LIB, check_launch, on_device, strea
 from flashinfer_moe.layout import ExpertLayout
 
 from . import _kernels as K
-from .quant import FLOATS, FP8, check_out, group_size_arg, tensor_scale
+from .quant import FLOATS, FP8, check_out, group_size_arg, out_buffers, tensor_scale
 
 __all__ = ["combine", "permute", "permute_fp8_per_tensor", "permute_fp8_per_token_group", "permute_nvfp4"]
 
@@ -188,7 +188,7 @@ def permute_fp8_per_token_group(
     if h % group_size:
         raise ValueError(f"hidden must have a hidden size that is a multiple of group_size ({group_size}), got {h}")
     shapes = ((*layout.rows_shape, h), (*layout.rows_shape, h // group_size))
-    q, scales = _outputs(out, ("q", "scales"), shapes, (FP8, torch.float32), hidden)
+    q, scales = out_buffers(out, ("q", "scales"), shapes, (FP8, torch.float32), hidden)
     _launch(hidden, layout, q, scales, None, K.FP8_GROUP, group_size, bool(scale_pow2))
     return q, scales
 
@@ -245,20 +245,9 @@ def permute_nvfp4(
         raise ValueError(f"hidden must have a hidden size that is a multiple of 16 (NVFP4 blocks), got {h}")
     global_scale = tensor_scale(hidden, "hidden", global_scale, "global_scale", ref_quant.E2M1_MAX * ref_quant.FP8_MAX)
     shapes = ((*layout.rows_shape, h // 2), (*layout.rows_shape, h // 16))
-    packed, block_scales = _outputs(out, ("packed", "block_scales"), shapes, (torch.uint8, FP8), hidden)
+    packed, block_scales = out_buffers(out, ("packed", "block_scales"), shapes, (torch.uint8, FP8), hidden)
     _launch(hidden, layout, packed, block_scales, global_scale, K.NVFP4)
     return packed, block_scales, global_scale
-
-
-def _outputs(out, names, shapes, dtypes, like):
-    if out is None:
-        return tuple(torch.empty(s, dtype=d, device=like.device) for s, d in zip(shapes, dtypes, strict=True))
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise TypeError(f"out must be a ({names[0]}, {names[1]}) pair of tensors, got {type(out).__name__}")
-    return tuple(
-        check_out(f"out[{i}] ({n})", t, s, d, like)
-        for i, (t, n, s, d) in enumerate(zip(out, names, shapes, dtypes, strict=True))
-    )
 
 
 def combine(

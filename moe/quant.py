@@ -163,10 +163,16 @@ def check_out(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, 
     return t
 
 
-def _out_pair(out: object, names: tuple[str, str]) -> tuple[object, object]:
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise TypeError(f"out must be a ({names[0]}, {names[1]}) pair of tensors, got {type(out).__name__}")
-    return out[0], out[1]
+def out_buffers(out, names: tuple[str, ...], shapes, dtypes, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Fresh outputs, or the caller's ``out=`` tuple checked buffer by buffer (shape, dtype, device)."""
+    if out is None:
+        return tuple(torch.empty(s, dtype=d, device=like.device) for s, d in zip(shapes, dtypes, strict=True))
+    if not isinstance(out, (tuple, list)) or len(out) != len(names):
+        raise TypeError(f"out must be a ({', '.join(names)}) tuple of tensors, got {type(out).__name__}")
+    return tuple(
+        check_out(f"out[{i}] ({n})", t, s, d, like)
+        for i, (t, n, s, d) in enumerate(zip(out, names, shapes, dtypes, strict=True))
+    )
 
 
 def rows_2d(x: torch.Tensor) -> torch.Tensor:
@@ -176,11 +182,11 @@ def rows_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 def flat_rows(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor viewed as rows for an elementwise kernel: long rows of 8-element vectors where
-    the element count allows (one block per row), else the last dimension."""
+    """A contiguous tensor viewed as rows for an elementwise kernel: rows of whole 16-element vectors where
+    the element count allows (the vector path), else the last dimension (the element path)."""
     x = x.contiguous()
     n = x.numel()
-    for length in (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8):
+    for length in (4096, 2048, 1024, 512, 256, 128, 64, 32, 16):
         if n % length == 0:
             return x.view(-1, length)
     return x.view(-1, x.shape[-1]) if x.dim() else x.view(1, 1)
@@ -213,13 +219,8 @@ def quantize_fp8_per_token_group(
             f"x must have a last dimension that is a multiple of group_size ({group_size}), got {tuple(x.shape)}"
         )
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
-    if out is None:
-        q = torch.empty(*lead, k, dtype=FP8, device=x.device)
-        scales = torch.empty(*lead, k // group_size, dtype=torch.float32, device=x.device)
-    else:
-        q, scales = _out_pair(out, ("q", "scales"))
-        q = check_out("out[0] (q)", q, (*lead, k), FP8, x)
-        scales = check_out("out[1] (scales)", scales, (*lead, k // group_size), torch.float32, x)
+    shapes = ((*lead, k), (*lead, k // group_size))
+    q, scales = out_buffers(out, ("q", "scales"), shapes, (FP8, torch.float32), x)
     if x.numel():
         torch.ops.flashinfer_moe.permute_(rows_2d(x), None, q, scales, None, K.FP8_GROUP, group_size, scale_pow2)
     return q, scales
@@ -289,13 +290,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scale=None, *, out=None) -> tuple[tor
         raise ValueError(f"x must have a last dimension K that is a multiple of 16, got shape {tuple(x.shape)}")
     global_scale = tensor_scale(x, "x", global_scale, "global_scale", ref.E2M1_MAX * ref.FP8_MAX)
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
-    if out is None:
-        packed = torch.empty(*lead, k // 2, dtype=torch.uint8, device=x.device)
-        block_scales = torch.empty(*lead, k // 16, dtype=FP8, device=x.device)
-    else:
-        packed, block_scales = _out_pair(out, ("packed", "block_scales"))
-        packed = check_out("out[0] (packed)", packed, (*lead, k // 2), torch.uint8, x)
-        block_scales = check_out("out[1] (block_scales)", block_scales, (*lead, k // 16), FP8, x)
+    shapes = ((*lead, k // 2), (*lead, k // 16))
+    packed, block_scales = out_buffers(out, ("packed", "block_scales"), shapes, (torch.uint8, FP8), x)
     if x.numel():
         torch.ops.flashinfer_moe.permute_(rows_2d(x), None, packed, block_scales, global_scale, K.NVFP4, 0, False)
     return packed, block_scales, global_scale
