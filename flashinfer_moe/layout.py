@@ -55,8 +55,8 @@ class ExpertLayout:
         block_rows: row alignment of each expert (contiguous); 1 for masked.
         capacity: ``C`` slots per expert (masked); 0 for contiguous.
         tokens_per_expert: `[E]` int32, pairs each expert holds (masked: at most ``C``).
-        expert_offsets: `[E + 1]` int32, first row of each expert (masked: ``e * C``); the last entry is the
-            number of rows in use.
+        expert_offsets: `[E + 1]` int32, first row of each expert (masked: ``e * C``); the last entry is where
+            the last expert's rows end (contiguous: the rows in use, padding included).
         row_of: `[T, k]` int32, the row of pair ``(t, j)``; -1 where the id was -1 or the pair overflowed.
         source_of: `[R]` (masked: `[E * C]`) int32, the pair ``t * k + j`` a row holds, -1 for none.
         status: `[2]` int32 on the device: ``[overflow, invalid]``, the pairs dropped for capacity (masked)
