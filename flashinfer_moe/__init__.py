@@ -14,7 +14,7 @@ One MoE layer, single GPU::
 """
 
 from ._version import __version__
-from .errors import FlashInferMoEError, JitError, KernelLaunchError
+from .errors import CommTimeoutError, FlashInferMoEError, JitError, KernelLaunchError
 from .layout import ExpertLayout
 from .moe.layout import moe_align_contiguous, moe_align_masked
 from .moe.permute import combine, permute, permute_fp8_per_tensor, permute_fp8_per_token_group, permute_nvfp4
@@ -29,6 +29,7 @@ from .moe.routing import route
 
 __all__ = [
     "__version__",
+    "CommTimeoutError",
     "ExpertLayout",
     "FlashInferMoEError",
     "JitError",

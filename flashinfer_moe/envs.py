@@ -28,6 +28,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "seconds a process waits for another one's compile of the same kernel before giving up",
     ),
     "FLASHINFER_MOE_JIT_VERBOSE": ("0", "1 prints the compiler's command lines and output"),
+    "FLASHINFER_MOE_A2A_TIMEOUT_S": (
+        "30",
+        "seconds an all-to-all step waits for its peers before raising CommTimeoutError",
+    ),
     "FLASHINFER_MOE_PROBE_FORCE": (
         "unset",
         "`timeout` or `fail` makes every live P2P flag check fail that way (tests the failure paths)",
@@ -83,6 +87,10 @@ def cuda_arch() -> list[str] | None:
 
 def jit_lock_timeout_s() -> float:
     return _float("FLASHINFER_MOE_JIT_LOCK_TIMEOUT_S", 900.0)
+
+
+def a2a_timeout_s() -> float:
+    return _float("FLASHINFER_MOE_A2A_TIMEOUT_S", 30.0)
 
 
 def jit_verbose() -> bool:
