@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,7 @@ class CollectiveAllToAll:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.epoch = 0
+        self._aborted: str | None = None
         self._uid = next(_instances)  # the same on every rank when ranks build communicators in the same order
 
     # ------------------------------------------------------------------------------------------ waits
@@ -141,21 +143,44 @@ class CollectiveAllToAll:
         return late or others
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, phase: str) -> None:
+        if self._aborted is not None:
+            raise CommTimeoutError(
+                f"all-to-all {phase} on rank {self.rank}: this communicator was aborted after a timeout "
+                f"({self._aborted}); build a new process group",
+                phase=phase, rank=self.rank, peers=(), epoch=self.epoch,
+            )  # fmt: skip
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+        deadline = time.monotonic() + self.timeout_s
         try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            if out.is_cuda:
+                # NCCL's wait only orders the current stream (it returns at once); completion is polled
+                # against the deadline, since a collective whose peer never comes spins on the GPU forever.
+                work.wait()
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the collective did not complete")
+                    time.sleep(20e-6)
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
             peers = self._late_peers()
-            raise CommTimeoutError(
+            message = (
                 f"all-to-all {phase} (epoch {self.epoch}) on rank {self.rank} timed out after {self.timeout_s:g} s; "
-                f"rank(s) {', '.join(map(str, peers))} did not arrive ({exc})",
-                phase=phase,
-                rank=self.rank,
-                peers=peers,
-                epoch=self.epoch,
-            ) from None
-        if out.is_cuda:
-            work.wait()  # orders the current stream after the collective
+                f"rank(s) {', '.join(map(str, peers))} did not arrive ({exc})"
+            )
+            if out.is_cuda:
+                self._abort(message)
+            raise CommTimeoutError(message, phase=phase, rank=self.rank, peers=peers, epoch=self.epoch) from None
+
+    def _abort(self, reason: str) -> None:
+        # The stuck NCCL kernel holds the stream: aborting the communicator ends it, so the process (and its
+        # CUDA context) stays usable; the group itself is gone.
+        self._aborted = reason
+        group = self.group if self.group is not None else dist.group.WORLD
+        try:
+            group.abort()
+        except Exception:
+            dist.distributed_c10d._abort_process_group(group)
 
     # ---------------------------------------------------------------------------------------- dispatch
 

@@ -97,30 +97,41 @@ def _missing_rank(rank: int, world: int, budget: float, backend: str = "gloo"):
     comm = CollectiveAllToAll(
         None, num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, max_tokens_per_rank=8, timeout_s=budget
     )
-    if rank == world - 1:
-        time.sleep(budget + 4)  # never calls dispatch; leaves after the others have given up
-        return None
     h = torch.randn(3, HIDDEN).to(torch.bfloat16).to(device)
     ids = torch.randint(0, NUM_EXPERTS, (3, TOP_K), dtype=torch.int32).to(device)
+    w = torch.rand(3, TOP_K).to(device)
+    comm.dispatch(h, ids, w)  # every rank once: the communicator is up (NCCL builds it on first use)
+    if rank == world - 1:
+        time.sleep(budget + 4)  # then this rank stops calling; it leaves after the others have given up
+        return None
     start = time.monotonic()
     try:
-        comm.dispatch(h, ids, torch.rand(3, TOP_K).to(device))
+        comm.dispatch(h, ids, w)
     except CommTimeoutError as exc:
         elapsed = time.monotonic() - start
+        if device == "cuda":  # the process and its GPU stay usable after the communicator was aborted
+            torch.cuda.synchronize()
+            assert torch.equal((h.float() * 2).cpu(), h.float().cpu() * 2)
         time.sleep(2)  # rank 0 hosts the store: it stays until the others have asked it who came
-        return (elapsed, exc.peers, exc.phase, str(exc))
+        return (elapsed, exc.peers, exc.phase, exc.epoch, str(exc))
     return "no error"
 
 
-def test_rank_that_never_arrives_raises_comm_timeout():
+@pytest.mark.parametrize(
+    "world, backend",
+    [(4, "gloo"), pytest.param(2, "nccl", marks=pytest.mark.multigpu)],
+)
+def test_rank_that_never_arrives_raises_comm_timeout(world, backend):
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        pytest.skip("needs two GPUs")
     budget = 2.0
-    results = run_ranks(_missing_rank, 4, budget)
-    for rank, result in enumerate(results[:3]):
+    results = run_ranks(_missing_rank, world, budget, backend, backend=backend)
+    for rank, result in enumerate(results[: world - 1]):
         assert isinstance(result, tuple), f"rank {rank}: {result}"
-        elapsed, peers, phase, message = result
-        assert peers == (3,) and phase == "dispatch counts", message
+        elapsed, peers, phase, epoch, message = result
+        assert peers == (world - 1,) and phase == "dispatch counts" and epoch == 2, message
         assert budget <= elapsed < budget + 5, f"rank {rank} raised after {elapsed:.1f} s"
-        assert "rank(s) 3 did not arrive" in message
+        assert f"rank(s) {world - 1} did not arrive" in message
 
 
 def _bad_input(rank: int, world: int):
