@@ -26,33 +26,52 @@ import torch.distributed as dist
 
 from flashinfer_moe import _checks, envs
 from flashinfer_moe.errors import CommTimeoutError
+from flashinfer_moe.layout import ExpertLayout
+from flashinfer_moe.moe.layout import moe_align_masked
+from flashinfer_moe.moe.permute import permute
 
 __all__ = ["CollectiveAllToAll", "DispatchHandle", "DispatchOutput"]
 
 _instances = itertools.count()
 
 
+def _capturing() -> bool:
+    # The CPU build of torch raises on the query itself.
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 @dataclass(frozen=True, eq=False)
 class DispatchHandle:
-    """What combine needs to send rows back: counts both ways and the source token of each sent row."""
+    """What combine needs to send rows back.
+
+    High-throughput: the counts both ways and the source token of each sent row. Low-latency: the slot each
+    token took in each destination's fixed block (counts are fixed: ``max_tokens_per_rank`` each way).
+    """
 
     send_counts: tuple[int, ...]  # rows this rank sent to each rank
     recv_counts: tuple[int, ...]  # rows this rank received from each rank
-    send_token: torch.Tensor  # [S] int64, the local token of each sent row, grouped by destination rank
+    send_token: torch.Tensor | None  # [S] int64, the local token of each sent row, grouped by destination
     num_tokens: int
+    slot: torch.Tensor | None = None  # [T, W] int64 (low-latency): the token's slot in rank d's block, or -1
 
 
 @dataclass(frozen=True, eq=False)
 class DispatchOutput:
     """The rows a rank received. Rows come grouped by source rank (ascending), tokens ascending within each.
+    In the low-latency layout each source rank has a fixed block of ``max_tokens_per_rank`` rows; rows past
+    its count are padding, with every id -1, weight 0 and unspecified hidden states.
 
     Attributes:
         hidden_states: `[R, H]`.
-        scales: `[R, H / group]` float32 when scales were dispatched, else None.
-        topk_ids: `[R, k]` int32 LOCAL expert ids, -1 for experts on other ranks.
+        scales: `[R, groups]` float32 when scales were dispatched, else None.
+        topk_ids: `[R, k]` int32 LOCAL expert ids, -1 for experts on other ranks (and padding).
         topk_weights: `[R, k]` float32.
-        tokens_per_expert: `[E / W]` int32, pairs received per local expert.
+        tokens_per_expert: `[E / W]` int32, pairs received per local expert (low-latency: at most the capacity).
         handle: for :meth:`CollectiveAllToAll.combine`.
+        layout: low-latency only: the masked expert-major layout of the received pairs (pairs past the
+            capacity are dropped and counted in ``layout.overflow``).
+        expert_hidden_states: low-latency only: `[E / W, capacity, H]`, the rows in that layout.
+        expert_scales: low-latency only, with scales: `[E / W, capacity, groups]`.
     """
 
     hidden_states: torch.Tensor
@@ -61,10 +80,19 @@ class DispatchOutput:
     topk_weights: torch.Tensor
     tokens_per_expert: torch.Tensor
     handle: DispatchHandle
+    layout: ExpertLayout | None = None
+    expert_hidden_states: torch.Tensor | None = None
+    expert_scales: torch.Tensor | None = None
 
 
 class CollectiveAllToAll:
-    """Dispatch/combine of one expert-parallel group over collectives (high-throughput layout).
+    """Dispatch/combine of one expert-parallel group over collectives.
+
+    ``mode="high_throughput"`` (prefill) sends exactly the rows each rank needs, after exchanging the counts
+    (one host sync for the split sizes). ``mode="low_latency"`` (decode) sends every rank a fixed block of
+    ``max_tokens_per_rank`` rows, so nothing waits for the host and the calls can be captured in a CUDA
+    graph; it also returns the received pairs in the masked expert-major layout that the masked grouped GEMM
+    consumes.
 
     Args:
         group: the ``torch.distributed`` process group (None: the default group). NCCL for CUDA tensors,
@@ -74,7 +102,12 @@ class CollectiveAllToAll:
         hidden_size: ``H``.
         max_tokens_per_rank: the most tokens any rank dispatches in one call.
         dtype: dtype of the hidden states.
-        timeout_s: bound of every wait; default ``FLASHINFER_MOE_A2A_TIMEOUT_S`` (30 s).
+        mode: ``"high_throughput"`` or ``"low_latency"``.
+        capacity: low-latency: slots per local expert of the masked layout; default every row a rank can
+            receive (``W * max_tokens_per_rank``), so that nothing is ever dropped.
+        timeout_s: bound of every wait; default ``FLASHINFER_MOE_A2A_TIMEOUT_S`` (30 s). Not polled while a
+            CUDA graph is being captured.
+        validate: check the ids' range on the host (one sync); low-latency calls skip it while capturing.
     """
 
     def __init__(
@@ -86,7 +119,10 @@ class CollectiveAllToAll:
         hidden_size: int,
         max_tokens_per_rank: int,
         dtype: torch.dtype = torch.bfloat16,
+        mode: str = "high_throughput",
+        capacity: int | None = None,
         timeout_s: float | None = None,
+        validate: bool = True,
     ):
         if not dist.is_initialized():
             raise ValueError("group must come from an initialized torch.distributed, got no process group")
@@ -103,6 +139,12 @@ class CollectiveAllToAll:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.dtype = dtype
+        if mode not in ("high_throughput", "low_latency"):
+            raise ValueError(f"mode must be 'high_throughput' or 'low_latency', got {mode!r}")
+        self.mode = mode
+        rows = self.world_size * self.max_tokens_per_rank
+        self.capacity = rows if capacity is None else _checks.integer("capacity", capacity, 0)
+        self.validate = bool(validate)
         self.timeout_s = envs.a2a_timeout_s() if timeout_s is None else float(timeout_s)
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -125,7 +167,7 @@ class CollectiveAllToAll:
         """Starts a call: advances the epoch and records it under this rank's one key (overwritten, so the
         store does not grow), for a peer that times out to see who never came."""
         self.epoch += 1
-        store = self._store()
+        store = None if _capturing() else self._store()
         if store is not None:
             store.set(self._key(self.rank), str(self.epoch))
 
@@ -156,6 +198,8 @@ class CollectiveAllToAll:
                 # NCCL's wait only orders the current stream (it returns at once); completion is polled
                 # against the deadline, since a collective whose peer never comes spins on the GPU forever.
                 work.wait()
+                if _capturing():
+                    return
                 while not work.is_completed():
                     if time.monotonic() > deadline:
                         raise RuntimeError("the collective did not complete")
@@ -200,7 +244,8 @@ class CollectiveAllToAll:
         if tuple(ids.shape) != (h.shape[0], self.top_k):
             raise ValueError(f"topk_ids must have shape ({h.shape[0]}, {self.top_k}), got {tuple(ids.shape)}")
         _checks.same_device("topk_ids", ids, "hidden_states", h)
-        if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= self.num_experts):
+        check = self.validate and not (self.mode == "low_latency" and _capturing())
+        if check and ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= self.num_experts):
             raise ValueError(f"topk_ids must lie in [-1, num_experts) = [-1, {self.num_experts}), got values in "
                              f"[{int(ids.min())}, {int(ids.max())}]")  # fmt: skip
         w = _checks.tensor("topk_weights", topk_weights)
@@ -231,10 +276,12 @@ class CollectiveAllToAll:
         h, ids, w, scales = self._check_dispatch(hidden_states, topk_ids, topk_weights, scales)
         self._arrive()
         device, world, per_rank = h.device, self.world_size, self.experts_per_rank
-        dest = torch.where(ids >= 0, ids.long() // per_rank, world)  # [T, k], `world` for none
+        dest = torch.where((ids >= 0) & (ids < self.num_experts), ids.long() // per_rank, world)  # [T, k]
         goes = torch.zeros(h.shape[0], world + 1, dtype=torch.bool, device=device)
         goes.scatter_(1, dest, True)
         goes = goes[:, :world]  # [T, W]: does token t go to rank d
+        if self.mode == "low_latency":
+            return self._dispatch_low_latency(h, ids, w, scales, goes)
         rank_of_row, send_token = goes.t().nonzero(as_tuple=True)  # grouped by rank, tokens ascending
         send_counts = torch.bincount(rank_of_row, minlength=world)  # [W]
         recv_counts = torch.empty_like(send_counts)
@@ -251,17 +298,58 @@ class CollectiveAllToAll:
         received = torch.empty(sum(recv_list), packed.shape[1], dtype=torch.uint8, device=device)
         self._all_to_all(received, packed, recv_list, send_list, "dispatch payload")
 
-        fields = received.split(widths, dim=1)
-        rows_h = fields[0].contiguous().view(h.dtype)  # [R, H]
-        rows_ids = fields[1].contiguous().view(torch.int32)  # [R, k], global
-        rows_w = fields[2].contiguous().view(torch.float32)  # [R, k]
-        rows_s = fields[3].contiguous().view(torch.float32) if scales is not None else None
-        first = self.rank * per_rank
-        mine = (rows_ids >= first) & (rows_ids < first + per_rank)
-        local_ids = torch.where(mine, rows_ids - first, -1).to(torch.int32)
+        rows_h, local_ids, rows_w, rows_s = self._unpack(received, widths, h.dtype)
+        mine = local_ids >= 0
         counts = torch.bincount(local_ids[mine].long(), minlength=per_rank).to(torch.int32)
         handle = DispatchHandle(tuple(send_list), tuple(recv_list), send_token, h.shape[0])
         return DispatchOutput(rows_h, rows_s, local_ids, rows_w, counts, handle)
+
+    @staticmethod
+    def _pack(h, ids, w, scales) -> list[torch.Tensor]:
+        # Rows move as bytes: one payload collective, and any dtype (FP8 included) on any backend.
+        parts = [h.contiguous(), ids.to(torch.int32), w.contiguous()] + (
+            [scales.contiguous()] if scales is not None else []
+        )
+        return [p.view(torch.uint8) for p in parts]
+
+    def _unpack(self, received: torch.Tensor, widths: list[int], dtype: torch.dtype):
+        fields = received.split(widths, dim=1)
+        rows_h = fields[0].contiguous().view(dtype)  # [R, H]
+        rows_ids = fields[1].contiguous().view(torch.int32)  # [R, k], global
+        rows_w = fields[2].contiguous().view(torch.float32)  # [R, k]
+        rows_s = fields[3].contiguous().view(torch.float32) if len(fields) > 3 else None
+        first = self.rank * self.experts_per_rank
+        mine = (rows_ids >= first) & (rows_ids < first + self.experts_per_rank)
+        local_ids = torch.where(mine, rows_ids - first, -1).to(torch.int32)  # [R, k]
+        return rows_h, local_ids, rows_w, rows_s
+
+    def _dispatch_low_latency(self, h, ids, w, scales, goes) -> DispatchOutput:
+        world, m = self.world_size, self.max_tokens_per_rank
+        num_tokens = h.shape[0]
+        # slot[t, d]: token t's position among the tokens going to rank d (ascending t), -1 if none.
+        slot = torch.where(goes, goes.long().cumsum(0) - 1, -1)  # [T, W]
+        parts = self._pack(h, ids, w, scales)
+        widths = [p.shape[1] for p in parts]
+        tokens = torch.cat(parts, dim=1)  # [T, row bytes]
+        # [W * M + 1, row bytes]; the last row takes every (token, rank) pair that is not sent. Unused rows
+        # get ids -1 (0xff bytes) and weights 0, so that receivers see them as padding.
+        send = torch.empty(world * m + 1, tokens.shape[1], dtype=torch.uint8, device=h.device)
+        send[:, widths[0] : widths[0] + widths[1]] = 0xFF
+        send[:, widths[0] + widths[1] : widths[0] + widths[1] + widths[2]] = 0
+        dest_row = torch.where(slot >= 0, torch.arange(world, device=h.device) * m + slot, world * m)  # [T, W]
+        for d in range(world):
+            send.index_put_((dest_row[:, d],), tokens)
+        received = torch.empty(world * m, tokens.shape[1], dtype=torch.uint8, device=h.device)
+        self._all_to_all(received, send[: world * m], None, None, "dispatch payload")
+
+        rows_h, local_ids, rows_w, rows_s = self._unpack(received, widths, h.dtype)
+        layout = moe_align_masked(local_ids, self.experts_per_rank, self.capacity, validate=False)
+        expert_h = _permute_any(rows_h, layout)
+        expert_s = _permute_any(rows_s, layout) if rows_s is not None else None
+        handle = DispatchHandle((m,) * world, (m,) * world, None, num_tokens, slot)
+        return DispatchOutput(
+            rows_h, rows_s, local_ids, rows_w, layout.tokens_per_expert, handle, layout, expert_h, expert_s
+        )
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Bring each received row back to its token and sum per token over the ranks (fp32, ranks ascending).
@@ -279,6 +367,8 @@ class CollectiveAllToAll:
         if tuple(x.shape) != (sum(handle.recv_counts), self.hidden_size):
             raise ValueError(f"x must have shape ({sum(handle.recv_counts)}, {self.hidden_size}), got {tuple(x.shape)}")
         self._arrive()
+        if handle.slot is not None:
+            return self._combine_low_latency(x, handle)
         back = torch.empty(sum(handle.send_counts), self.hidden_size, dtype=x.dtype, device=x.device)
         self._all_to_all(
             back.view(torch.uint8),
@@ -294,3 +384,27 @@ class CollectiveAllToAll:
             out.index_add_(0, handle.send_token[rows], back[rows].float())
             start += count
         return out.to(x.dtype)
+
+    def _combine_low_latency(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        world, m = self.world_size, self.max_tokens_per_rank
+        back = torch.empty(world * m, self.hidden_size, dtype=x.dtype, device=x.device)
+        self._all_to_all(back.view(torch.uint8), x.contiguous().view(torch.uint8), None, None, "combine")
+        back = back.view(world, m, self.hidden_size)
+        out = torch.zeros(handle.num_tokens, self.hidden_size, dtype=torch.float32, device=x.device)
+        for d in range(world):  # ranks ascending, as the high-throughput combine
+            slot = handle.slot[:, d]
+            rows = back[d].index_select(0, slot.clamp(min=0)).float()
+            out += torch.where((slot >= 0).unsqueeze(-1), rows, 0.0)
+        return out.to(x.dtype)
+
+
+def _permute_any(rows: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """``rows`` [R, n] into the masked layout `[E, C, n]`: the permute kernel for floats, an indexed copy of the
+    bytes for other types (FP8). Slots without a pair are unspecified."""
+    if rows.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return permute(rows, layout)
+    out = torch.empty(layout.num_rows + 1, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    target = torch.where(layout.row_of >= 0, layout.row_of, layout.num_rows).long()  # [R, k]
+    source = rows.view(torch.uint8).unsqueeze(1).expand(-1, target.shape[1], -1)
+    out.view(torch.uint8).index_put_((target.reshape(-1),), source.reshape(-1, source.shape[-1]))
+    return out[: layout.num_rows].view(*layout.rows_shape, rows.shape[1])

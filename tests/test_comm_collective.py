@@ -9,7 +9,7 @@ import pytest
 import torch
 from launcher import run_ranks
 
-from flashinfer_moe import CommTimeoutError
+from flashinfer_moe import CommTimeoutError, reference
 from flashinfer_moe.comm.collective import CollectiveAllToAll
 
 NUM_EXPERTS, TOP_K, HIDDEN, GROUP = 16, 4, 64, 32
@@ -92,6 +92,64 @@ def test_dispatch_combine_exact_gloo(kind, tokens):
     assert epochs == [4] * 4, f"seed {seed}"
 
 
+def _low_latency(rank: int, world: int, seed: int, tokens: list[int], kind: str, capacity, backend: str):
+    device = "cuda" if backend == "nccl" else "cpu"
+    per_rank, m = NUM_EXPERTS // world, max(tokens)
+    all_inputs = _inputs(seed, world, tokens, kind)
+    comm = CollectiveAllToAll(
+        None,
+        num_experts=NUM_EXPERTS,
+        top_k=TOP_K,
+        hidden_size=HIDDEN,
+        max_tokens_per_rank=m,
+        mode="low_latency",
+        capacity=capacity,
+    )
+    h, ids, w, s = (t.to(device) for t in all_inputs[rank])
+    got = comm.dispatch(h, ids, w, scales=s)
+    first = rank * per_rank
+    assert got.hidden_states.shape == (world * m, HIDDEN)
+    for src, (src_h, src_ids, src_w, src_s) in enumerate(all_inputs):  # block src: its tokens, then padding
+        here = ((src_ids >= first) & (src_ids < first + per_rank)).any(-1)
+        n, block = int(here.sum()), slice(src * m, (src + 1) * m)
+        want_local = torch.where((src_ids >= first) & (src_ids < first + per_rank), src_ids - first, -1)[here]
+        assert torch.equal(got.hidden_states[block][:n].cpu(), src_h[here]), f"rank {rank} from {src}"
+        assert torch.equal(got.topk_ids[block][:n].cpu(), want_local.int()), f"rank {rank} from {src}"
+        assert torch.equal(got.topk_weights[block][:n].cpu(), src_w[here]), f"rank {rank} from {src}"
+        assert torch.equal(got.scales[block][:n].cpu(), src_s[here]), f"rank {rank} from {src}"
+        assert (got.topk_ids[block][n:] == -1).all() and (got.topk_weights[block][n:] == 0).all()
+    # The masked layout of what arrived, and the rows in it.
+    layout = got.layout
+    want = reference.moe_align_masked(got.topk_ids.cpu(), per_rank, comm.capacity)
+    assert torch.equal(layout.row_of.cpu(), want.row_of) and torch.equal(layout.status.cpu(), want.status)
+    assert torch.equal(got.tokens_per_expert.cpu(), want.tokens_per_expert)
+    owned = want.source_of >= 0
+    rows = want.source_of[owned].long() // TOP_K
+    flat_h = got.expert_hidden_states.reshape(-1, HIDDEN).cpu()
+    assert torch.equal(flat_h[owned], got.hidden_states.cpu()[rows]), f"rank {rank}: expert_hidden_states"
+    flat_s = got.expert_scales.reshape(-1, HIDDEN // GROUP).cpu()
+    assert torch.equal(flat_s[owned], got.scales.cpu()[rows]), f"rank {rank}: expert_scales"
+    # Combine: every rank returns its received rows unchanged; a token gets them back once per rank it
+    # went to, summed in fp32.
+    out = comm.combine(got.hidden_states, got.handle)
+    h0, ids0, _, _ = all_inputs[rank]
+    acc = torch.zeros(h0.shape[0], HIDDEN)
+    for dst in range(world):
+        lo = dst * per_rank
+        here = ((ids0 >= lo) & (ids0 < lo + per_rank)).any(-1)
+        acc[here] += h0[here].float()
+    assert torch.equal(out.cpu(), acc.to(torch.bfloat16)), f"rank {rank}: low-latency combine"
+    return int(layout.overflow)
+
+
+@pytest.mark.parametrize("kind, tokens, capacity", [("random", [5, 0, 7, 33], None), ("one_rank", [4, 9, 1, 0], 3)])
+def test_low_latency_exact_gloo(kind, tokens, capacity):
+    seed = int.from_bytes(os.urandom(4), "little")
+    overflow = run_ranks(_low_latency, 4, seed, tokens, kind, capacity, "gloo")
+    assert overflow[:3] == [0, 0, 0], f"seed {seed}"  # only the last rank's experts receive pairs
+    assert (overflow[3] > 0) == (capacity is not None), f"seed {seed}: overflow {overflow}"
+
+
 def _missing_rank(rank: int, world: int, budget: float, backend: str = "gloo"):
     device = "cuda" if backend == "nccl" else "cpu"
     comm = CollectiveAllToAll(
@@ -168,6 +226,52 @@ def _bad_input(rank: int, world: int):
 
 def test_bad_input_raises_on_every_rank_before_any_collective():
     assert run_ranks(_bad_input, 2) == [[], []]
+
+
+def _low_latency_graph(rank: int, world: int, seed: int):
+    """dispatch + combine captured once in a CUDA graph, replayed on fresh inputs: equal to eager calls."""
+    comm = CollectiveAllToAll(
+        None, num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, max_tokens_per_rank=16, mode="low_latency"
+    )
+    g = torch.Generator().manual_seed(seed + rank)
+
+    def fresh():
+        ids = torch.rand(16, NUM_EXPERTS, generator=g).argsort(-1)[:, :TOP_K].int()
+        return (
+            torch.randn(16, HIDDEN, generator=g).bfloat16().cuda(),
+            ids.cuda(),
+            torch.rand(16, TOP_K, generator=g).cuda(),
+        )
+
+    h, ids, w = fresh()
+
+    def layer():
+        got = comm.dispatch(h, ids, w)
+        return got.expert_hidden_states, comm.combine(got.hidden_states, got.handle)
+
+    layer()  # builds the communicator and loads the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer()
+    for _ in range(3):
+        for dst, src in zip((h, ids, w), fresh(), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = layer()
+        assert torch.equal(captured[1], eager[1]), f"rank {rank}: replayed combine differs from eager"
+    return True
+
+
+@pytest.mark.multigpu
+def test_low_latency_exact_nccl_and_graph():
+    world = min(torch.cuda.device_count(), 4)
+    if world < 2:
+        pytest.skip("needs two GPUs")
+    seed = int.from_bytes(os.urandom(4), "little")
+    assert run_ranks(_low_latency, world, seed, [5, 0, 7, 33][:world], "random", None, "nccl", backend="nccl")
+    assert run_ranks(_low_latency_graph, world, seed, backend="nccl") == [True] * world
 
 
 @pytest.mark.multigpu
