@@ -18,3 +18,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the CPU, one-byte types (FP8, packed FP4) as raw bytes, for exact comparisons."""
     t = t.detach().cpu()
     return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def randn(g: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dtype)

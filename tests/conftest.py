@@ -18,3 +18,10 @@ def generator():
     seed = int.from_bytes(os.urandom(4), "little")
     g = torch.Generator().manual_seed(seed)
     return g
+
+
+@pytest.fixture
+def rng():
+    """``(seed, generator)``: fresh random inputs every run, the seed to put in failure messages."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    return seed, torch.Generator().manual_seed(seed)

@@ -2,27 +2,16 @@
 construction, combine against float64, and the argument checks."""
 
 import math
-import os
 
 import pytest
 import torch
-from checks import assert_error_names_argument, bits
+from checks import assert_error_names_argument, bits, randn
 
 from flashinfer_moe import ExpertLayout, reference
 from flashinfer_moe import reference_quant as rq
 
 FP8 = torch.float8_e4m3fn
 LAYOUT_TENSORS = ("tokens_per_expert", "expert_offsets", "row_of", "source_of", "status")
-
-
-@pytest.fixture
-def rng():
-    seed = int.from_bytes(os.urandom(4), "little")
-    return seed, torch.Generator().manual_seed(seed)
-
-
-def randn(g, *shape, dtype=torch.float32):
-    return torch.randn(*shape, generator=g).to(dtype)
 
 
 def static_rows(num_tokens, top_k, num_experts, block_rows):

@@ -2,26 +2,15 @@
 checks. The layout, permute and combine references are tested in test_reference_layout.py."""
 
 import math
-import os
 
 import pytest
 import torch
-from checks import assert_error_names_argument, bits
+from checks import assert_error_names_argument, bits, randn
 
 from flashinfer_moe import reference_quant as rq
 
 FP8 = torch.float8_e4m3fn
 TINY = torch.finfo(torch.float32).tiny
-
-
-@pytest.fixture
-def rng():
-    seed = int.from_bytes(os.urandom(4), "little")
-    return seed, torch.Generator().manual_seed(seed)
-
-
-def randn(g, *shape, dtype=torch.float32):
-    return torch.randn(*shape, generator=g).to(dtype)
 
 
 # ------------------------------------------------------------------------------------------------ E2M1
