@@ -161,7 +161,9 @@ class CollectiveAllToAll:
             return None
 
     def _key(self, rank: int) -> str:
-        return f"flashinfer_moe/a2a/{self._uid}/rank{rank}"
+        # By global rank: the store is the whole job's, and processes of other groups write to it too.
+        global_rank = rank if self.group is None else dist.get_global_rank(self.group, rank)
+        return f"flashinfer_moe/a2a/{self._uid}/rank{global_rank}"
 
     def _arrive(self) -> None:
         """Starts a call: advances the epoch and records it under this rank's one key (overwritten, so the
