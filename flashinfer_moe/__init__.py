@@ -9,13 +9,27 @@ One MoE layer, single GPU::
     topk_weights, topk_ids = route(router_logits, k)             # [T, k], [T, k]
     layout = moe_align_contiguous(topk_ids, E, block_rows=128)   # where each (t, j) pair lives
     q, scales = permute_fp8_per_token_group(hidden, layout)      # [R, H] FP8, [R, H / 128]
-    y = ...  # the experts' GEMMs, [R, H]
+    h = grouped_gemm_fp8_block_contiguous(q, scales, w13, w13_scale, layout,
+                                          activation="silu", quantize_output=True)  # ([R, I], [R, I / 128])
+    y = grouped_gemm_fp8_block_contiguous(*h, w2, w2_scale, layout)  # [R, H] bf16
     out = combine(y, topk_weights, layout)                       # [T, H]
+
+or all of it in one call: ``fused_moe(hidden, w13, w2, topk_weights, topk_ids, quant="fp8_block", ...)``.
 """
 
 from ._version import __version__
 from .errors import CommTimeoutError, FlashInferMoEError, JitError, KernelLaunchError
+from .layer import MoELayer
 from .layout import ExpertLayout
+from .moe.fused import fused_moe
+from .moe.gemm import (
+    grouped_gemm_bf16_contiguous,
+    grouped_gemm_bf16_masked,
+    grouped_gemm_fp8_block_contiguous,
+    grouped_gemm_fp8_block_masked,
+    grouped_gemm_fp8_tensor_contiguous,
+    grouped_gemm_fp8_tensor_masked,
+)
 from .moe.layout import moe_align_contiguous, moe_align_masked
 from .moe.permute import combine, permute, permute_fp8_per_tensor, permute_fp8_per_token_group, permute_nvfp4
 from .moe.quant import (
@@ -34,8 +48,16 @@ __all__ = [
     "FlashInferMoEError",
     "JitError",
     "KernelLaunchError",
+    "MoELayer",
     "combine",
     "dequantize_nvfp4",
+    "fused_moe",
+    "grouped_gemm_bf16_contiguous",
+    "grouped_gemm_bf16_masked",
+    "grouped_gemm_fp8_block_contiguous",
+    "grouped_gemm_fp8_block_masked",
+    "grouped_gemm_fp8_tensor_contiguous",
+    "grouped_gemm_fp8_tensor_masked",
     "moe_align_contiguous",
     "moe_align_masked",
     "permute",

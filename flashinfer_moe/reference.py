@@ -1,8 +1,9 @@
 """Plain-torch versions of every op: the oracle the kernels are tested against, and the CPU path.
 
 They favour clarity over speed, and fix the conventions the kernels must reproduce exactly (selection
-order, tie-breaking, rounding). Routing lives here; quantization formats in ``reference_quant`` and the
-expert-major layouts, permute and combine in ``reference_layout``, all re-exported here so that this one
+order, tie-breaking, rounding). Routing lives here; quantization formats in ``reference_quant``, the
+expert-major layouts, permute and combine in ``reference_layout``, and the grouped GEMMs and the whole MoE in
+``reference_gemm``, all re-exported here so that this one
 module is the oracle. Inputs are assumed validated by the public wrappers.
 
 Dimension legend: ``T`` tokens, ``E`` experts, ``G`` expert groups, ``k`` top-k.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .reference_gemm import activation, dequantize_activations, dequantize_weights, fused_moe, grouped_gemm
 from .reference_layout import (
     combine,
     moe_align_contiguous,
@@ -36,7 +38,12 @@ from .reference_quant import (
 )
 
 __all__ = [
+    "activation",
     "combine",
+    "dequantize_activations",
+    "dequantize_weights",
+    "fused_moe",
+    "grouped_gemm",
     "dequantize_fp8_block",
     "dequantize_fp8_per_token_group",
     "dequantize_nvfp4",

@@ -1,2 +1,2 @@
 """Single-GPU MoE ops (installed as ``flashinfer_moe.moe``): routing, expert-major layouts, permute with fused
-quantization, quantizers, and combine. Grouped GEMMs arrive with their own module."""
+quantization, quantizers, grouped GEMMs, combine, and the fused pipeline."""

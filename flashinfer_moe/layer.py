@@ -1,0 +1,384 @@
+"""``MoELayer``: one Mixture-of-Experts layer as an ``nn.Module`` (router, routing, the experts, FP8 config).
+
+On a GPU it runs the fused kernels (:func:`flashinfer_moe.route` then :func:`flashinfer_moe.fused_moe`); on a
+CPU the same calls run the reference.
+
+Dimension legend: ``T`` tokens, ``E`` experts, ``k`` top-k, ``H`` hidden, ``I`` expert intermediate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from . import _checks
+from .moe.fused import fused_moe
+from .moe.quant import FLOATS, FP8, quantize_fp8_block_weights, quantize_fp8_per_tensor
+from .moe.routing import route
+from .reference_quant import dequantize_fp8_block
+
+__all__ = ["MoELayer"]
+
+QUANTS = (None, "fp8_block", "fp8_tensor")
+BLOCK = 128
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class MoELayer(nn.Module):
+    """Router GEMM, top-k routing and the routed experts of one MoE layer (shared experts are the caller's).
+
+    Weights follow the serving-engine layout: ``w13 [E, 2I, H]`` (gate rows then up rows) and ``w2 [E, H, I]``,
+    bf16/fp16 without ``quant``, float8_e4m3fn with it, plus fp32 scales: ``w13_scale [E, 2I/128, H/128]`` and
+    ``w2_scale [E, H/128, I/128]`` for ``"fp8_block"``, ``[E]`` for ``"fp8_tensor"``. All weights are
+    parameters with ``requires_grad=False`` (zero until loaded with :meth:`load_expert_weights`,
+    :meth:`load_router_weight` or ``load_state_dict``). Move the layer with ``.to(device)`` only: a dtype cast
+    such as ``.half()`` would also cast the FP8 weights and the scales.
+
+    Args:
+        num_experts: ``E``.
+        top_k: ``k``, experts per token.
+        hidden_size: ``H``.
+        intermediate_size: ``I``, each expert's intermediate size.
+        router: hold a router weight ``router_weight [E, H]``; without it, ``forward`` needs ``router_logits``.
+        scoring_func, renormalize, num_expert_group, topk_group: as :func:`flashinfer_moe.route` takes them.
+        correction_bias: hold ``correction_bias [E]`` fp32 (DeepSeek-V3's ``e_score_correction_bias``), added
+            to the scores for expert selection only.
+        routed_scaling_factor: multiplies the weighted sum of the experts' outputs; None means 1.
+        quant: ``None``, ``"fp8_block"`` (128 x 128 weight blocks, activations per token and 128 channels; ``H``
+            and ``I`` multiples of 128) or ``"fp8_tensor"`` (one scale per expert, activations per tensor).
+        static_activation_scales: with ``"fp8_tensor"``, hold static activation scales ``a13_scale`` and
+            ``a2_scale`` (0-d fp32, loaded from the checkpoint's ``input_scale``) instead of computing them
+            from each batch.
+        activation: ``"silu"`` or ``"clamped_silu"`` (gpt-oss, with ``alpha`` and ``limit``).
+        params_dtype: dtype of the router weight, and of the expert weights without ``quant``.
+        device: where the parameters live.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        router: bool = True,
+        scoring_func: str = "softmax",
+        renormalize: bool = True,
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        correction_bias: bool = False,
+        routed_scaling_factor: float | None = None,
+        quant: str | None = None,
+        static_activation_scales: bool = False,
+        activation: str = "silu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        params_dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts = _checks.integer("num_experts", num_experts, 1)
+        self.top_k = _checks.integer("top_k", top_k, 1, num_experts)
+        self.hidden_size = h = _checks.integer("hidden_size", hidden_size, 1)
+        self.intermediate_size = i = _checks.integer("intermediate_size", intermediate_size, 1)
+        if scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring_func must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+        if (num_expert_group is None) != (topk_group is None):
+            raise ValueError(
+                f"num_expert_group and topk_group must be given together, got {num_expert_group} and {topk_group}"
+            )
+        if num_expert_group is not None:
+            _checks.integer("num_expert_group", num_expert_group, 1, num_experts)
+            if num_experts % num_expert_group:
+                raise ValueError(f"num_expert_group must divide num_experts = {num_experts}, got {num_expert_group}")
+            _checks.integer("topk_group", topk_group, 1, num_expert_group)
+        if routed_scaling_factor is not None:
+            routed_scaling_factor = _checks.finite_float("routed_scaling_factor", routed_scaling_factor)
+        if quant not in QUANTS:
+            raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+        if quant == "fp8_block" and (h % BLOCK or i % BLOCK):
+            raise ValueError(
+                f"hidden_size and intermediate_size must be multiples of {BLOCK} with quant='fp8_block', "
+                f"got {h} and {i}"
+            )
+        if static_activation_scales and quant != "fp8_tensor":
+            raise ValueError(f"static_activation_scales needs quant='fp8_tensor', got quant={quant!r}")
+        if activation not in ("silu", "clamped_silu"):
+            raise ValueError(f"activation must be 'silu' or 'clamped_silu', got {activation!r}")
+        if params_dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"params_dtype must be bfloat16 or float16, got {_dtype_name(params_dtype)}")
+        self.scoring_func = scoring_func
+        self.renormalize = bool(renormalize)
+        self.num_expert_group = num_expert_group
+        self.topk_group = topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.quant = quant
+        self.activation = activation
+        self.alpha = float(alpha)
+        self.limit = float(limit)
+        self.params_dtype = params_dtype
+
+        def param(*shape, dtype):
+            return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        e = num_experts
+        self.router_weight = param(e, h, dtype=params_dtype) if router else None
+        self.correction_bias = param(e, dtype=torch.float32) if correction_bias else None
+        weight_dtype = params_dtype if quant is None else FP8
+        self.w13 = param(e, 2 * i, h, dtype=weight_dtype)
+        self.w2 = param(e, h, i, dtype=weight_dtype)
+        self.w13_scale = self.w2_scale = self.a13_scale = self.a2_scale = None
+        if quant == "fp8_block":
+            self.w13_scale = param(e, _blocks(2 * i), _blocks(h), dtype=torch.float32)
+            self.w2_scale = param(e, _blocks(h), _blocks(i), dtype=torch.float32)
+        elif quant == "fp8_tensor":
+            # Ones, not zeros: a zero scale would turn the activation quantizer's reciprocal into inf.
+            self.w13_scale = nn.Parameter(torch.ones(e, device=device), requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.ones(e, device=device), requires_grad=False)
+            if static_activation_scales:
+                self.a13_scale = nn.Parameter(torch.ones((), device=device), requires_grad=False)
+                self.a2_scale = nn.Parameter(torch.ones((), device=device), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        parts = [
+            f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, router={self.router_weight is not None}",
+            f"scoring_func={self.scoring_func!r}, renormalize={self.renormalize}",
+        ]
+        if self.num_expert_group is not None:
+            parts.append(f"num_expert_group={self.num_expert_group}, topk_group={self.topk_group}")
+        if self.correction_bias is not None:
+            parts.append("correction_bias=True")
+        if self.routed_scaling_factor is not None:
+            parts.append(f"routed_scaling_factor={self.routed_scaling_factor}")
+        parts.append(f"quant={self.quant!r}")
+        if self.a13_scale is not None:
+            parts.append("static_activation_scales=True")
+        parts.append(f"activation={self.activation!r}")
+        if self.activation == "clamped_silu":
+            parts.append(f"alpha={self.alpha}, limit={self.limit}")
+        parts.append(f"params_dtype={_dtype_name(self.params_dtype)}")
+        return ", ".join(parts)
+
+    # --------------------------------------------------------------------------------------------- forward
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Route every token to its ``k`` experts and return the weighted sum of their outputs.
+
+        Args:
+            hidden_states: `[T, H]` bfloat16, float16 or float32, on the layer's device.
+            router_logits: `[T, E]` float32/float16/bfloat16; None computes ``hidden_states @ router_weight.T``
+                in float32 (needs ``router=True``).
+
+        Returns:
+            `[T, H]` in the dtype of ``hidden_states``.
+        """
+        x = _checks.tensor("hidden_states", hidden_states)
+        _checks.dtype_in("hidden_states", x, FLOATS)
+        shape = (x.shape[0], self.hidden_size) if x.dim() == 2 else ("T", self.hidden_size)
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden_states must have shape [T, H] = {shape}, got {tuple(x.shape)}")
+        _checks.same_device("hidden_states", x, "the layer's weights", self.w13)
+        if router_logits is None:
+            if self.router_weight is None:
+                raise ValueError("router_logits must be given for a layer built with router=False, got None")
+            # fp32 logits: near-ties between experts are common, and bf16 logits would decide them by rounding.
+            logits = x.float() @ self.router_weight.float().t()  # [T, E]
+        else:
+            logits = _checks.tensor("router_logits", router_logits)
+            if tuple(logits.shape) != (x.shape[0], self.num_experts):
+                raise ValueError(
+                    f"router_logits must have shape [T, E] = {(x.shape[0], self.num_experts)}, "
+                    f"got {tuple(logits.shape)}"
+                )
+            _checks.same_device("router_logits", logits, "hidden_states", x)
+        topk_weights, topk_ids = route(
+            logits,
+            self.top_k,
+            scoring_func=self.scoring_func,
+            renormalize=self.renormalize,
+            num_expert_group=self.num_expert_group,
+            topk_group=self.topk_group,
+            correction_bias=self.correction_bias,
+        )  # [T, k] fp32, [T, k] int32
+        return fused_moe(
+            x,
+            self.w13,
+            self.w2,
+            topk_weights,
+            topk_ids,
+            quant=self.quant,
+            w13_scale=self.w13_scale,
+            w2_scale=self.w2_scale,
+            a13_scale=self.a13_scale,
+            a2_scale=self.a2_scale,
+            activation=self.activation,
+            alpha=self.alpha,
+            limit=self.limit,
+            routed_scaling_factor=self.routed_scaling_factor,
+            # Route's ids are in [0, E) by construction: skip fused_moe's id check and its host sync.
+            validate=False,
+        )
+
+    # ------------------------------------------------------------------------------------------- loading
+
+    @torch.no_grad()
+    def load_router_weight(self, weight: torch.Tensor, correction_bias: torch.Tensor | None = None) -> None:
+        """Copy the router (HF ``gate.weight`` `[E, H]`) and, where the layer has one, the correction bias
+        (``gate.e_score_correction_bias`` `[E]`)."""
+        if self.router_weight is None:
+            raise ValueError("weight cannot be loaded into a layer built with router=False, got a tensor")
+        weight = _checks.tensor("weight", weight)
+        _checks.dtype_in("weight", weight, FLOATS)
+        if tuple(weight.shape) != tuple(self.router_weight.shape):
+            raise ValueError(
+                f"weight must have shape [E, H] = {tuple(self.router_weight.shape)}, got {tuple(weight.shape)}"
+            )
+        self.router_weight.copy_(weight)
+        if correction_bias is not None:
+            if self.correction_bias is None:
+                raise ValueError("correction_bias needs a layer built with correction_bias=True, got a tensor")
+            bias = _checks.tensor("correction_bias", correction_bias)
+            _checks.dtype_in("correction_bias", bias, FLOATS)
+            if tuple(bias.shape) != (self.num_experts,):
+                raise ValueError(f"correction_bias must have shape ({self.num_experts},), got {tuple(bias.shape)}")
+            self.correction_bias.copy_(bias)
+
+    @torch.no_grad()
+    def load_expert_weights(self, weights: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+        """Fill ``w13``, ``w2`` and their scales from per-expert HF-style tensors, converting as needed.
+
+        Keys, for every expert ``e`` in ``[0, E)``: ``{prefix}{e}.gate_proj.weight`` `[I, H]`,
+        ``{prefix}{e}.up_proj.weight`` `[I, H]`, ``{prefix}{e}.down_proj.weight`` `[H, I]`, each bf16/fp16/fp32,
+        or float8_e4m3fn with its scale: ``weight_scale_inv`` (128 x 128 blocks, `[ceil(N/128), ceil(K/128)]`
+        fp32, DeepSeek-V3) or ``weight_scale`` (one value per tensor). With static activation scales, also
+        ``input_scale`` of each projection. Other keys are ignored.
+
+        A checkpoint already in the layer's format is copied as stored (FP8 blocks into ``"fp8_block"``);
+        higher precision is quantized (per 128 x 128 block, or per expert from the amax for ``"fp8_tensor"``);
+        FP8 is dequantized into a bf16/fp16 layer, or requantized into the other FP8 format. ``w13`` holds one
+        per-tensor scale per expert, so per-tensor gate and up scales that differ are merged: both are
+        requantized to the larger one (exact for the projection that has it; the other loses the low bits its
+        finer scale gave it). Likewise the static activation scales are the largest ``input_scale`` over the
+        experts (of gate and up for ``a13_scale``, of down for ``a2_scale``).
+
+        Args:
+            weights: a mapping of names to tensors (e.g. a safetensors state dict), on any device.
+            prefix: prepended to every key, e.g. ``"model.layers.3.mlp.experts."``.
+
+        Raises:
+            ValueError: a key is missing (all missing experts are listed) or a tensor has the wrong shape.
+            TypeError: a tensor has the wrong dtype.
+        """
+        if not isinstance(weights, Mapping):
+            raise TypeError(f"weights must be a Mapping of names to tensors, got {type(weights).__name__}")
+        h, i = self.hidden_size, self.intermediate_size
+        shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+        # Check every expert before writing any, so a bad checkpoint leaves the layer as it was.
+        missing = [
+            f"{prefix}{e}.{p}.weight"
+            for e in range(self.num_experts)
+            for p in _PROJECTIONS
+            if f"{prefix}{e}.{p}.weight" not in weights
+        ]
+        if missing:
+            experts = sorted({int(k[len(prefix) :].split(".")[0]) for k in missing})
+            shown = ", ".join(missing[:6]) + (f", ... ({len(missing)} keys)" if len(missing) > 6 else "")
+            raise ValueError(
+                f"weights must hold every expert's gate/up/down weight; missing experts {experts}: got no {shown}"
+            )
+        experts = [
+            {p: self._checked(weights, f"{prefix}{e}.{p}.", shapes[p]) for p in _PROJECTIONS}
+            for e in range(self.num_experts)
+        ]
+        if self.a13_scale is not None:
+            inputs = {
+                p: [self._input_scale(weights, f"{prefix}{e}.{p}.") for e in range(self.num_experts)]
+                for p in _PROJECTIONS
+            }
+        device = self.w13.device
+        for e, tensors in enumerate(experts):
+            gate, up, down = ([t.to(device) if t is not None else None for t in tensors[p]] for p in _PROJECTIONS)
+            if self.quant is None:
+                self.w13[e, :i] = _dense(*gate)
+                self.w13[e, i:] = _dense(*up)
+                self.w2[e] = _dense(*down)
+            elif self.quant == "fp8_block":
+                nb = i // BLOCK  # I is a multiple of 128 here, so gate and up own whole scale rows
+                for half, projection in enumerate((gate, up)):
+                    q, s = _as_blocks(*projection)
+                    self.w13[e, half * i : (half + 1) * i] = q
+                    self.w13_scale[e, half * nb : (half + 1) * nb] = s
+                self.w2[e], self.w2_scale[e] = _as_blocks(*down)
+            else:
+                merged = [g[2] for g in (gate, up) if g[2] is not None]
+                scale = max(merged, key=float) if len(merged) == 2 else None
+                self.w13[e], self.w13_scale[e] = quantize_fp8_per_tensor(torch.cat((_dense(*gate), _dense(*up))), scale)
+                self.w2[e], self.w2_scale[e] = quantize_fp8_per_tensor(_dense(*down), down[2])
+        if self.a13_scale is not None:
+            self.a13_scale.copy_(torch.stack(inputs["gate_proj"] + inputs["up_proj"]).max())
+            self.a2_scale.copy_(torch.stack(inputs["down_proj"]).max())
+
+    @staticmethod
+    def _checked(weights: Mapping[str, torch.Tensor], key: str, shape: tuple[int, int]):
+        """``(weight, weight_scale_inv, weight_scale)`` of one projection, checked; absent scales are None."""
+        w = _checks.tensor(key + "weight", weights[key + "weight"])
+        if tuple(w.shape) != shape:
+            raise ValueError(f"{key}weight must have shape {shape}, got {tuple(w.shape)}")
+        _checks.dtype_in(key + "weight", w, (*FLOATS, FP8))
+        block, tensor = weights.get(key + "weight_scale_inv"), weights.get(key + "weight_scale")
+        if w.dtype != FP8:
+            for name, s in (("weight_scale_inv", block), ("weight_scale", tensor)):
+                if s is not None:
+                    raise ValueError(f"{key}{name} must be absent for a {_dtype_name(w.dtype)} weight, got a tensor")
+            return w, None, None
+        if (block is None) == (tensor is None):
+            got = "both" if block is not None else "neither"
+            raise ValueError(
+                f"{key}weight_scale_inv or {key}weight_scale must be given (one) for an FP8 weight, got {got}"
+            )
+        name = key + ("weight_scale_inv" if block is not None else "weight_scale")
+        s = _checks.tensor(name, block if block is not None else tensor)
+        _checks.dtype_in(name, s, FLOATS)
+        expected = (_blocks(shape[0]), _blocks(shape[1])) if block is not None else None
+        if (expected is not None and tuple(s.shape) != expected) or (expected is None and s.numel() != 1):
+            raise ValueError(f"{name} must have shape {expected or '() (one value)'}, got {tuple(s.shape)}")
+        s = s.float()
+        return (w, s, None) if block is not None else (w, None, s.reshape(()))
+
+    @staticmethod
+    def _input_scale(weights: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+        name = key + "input_scale"
+        if name not in weights:
+            raise ValueError(f"{name} must be given for a layer with static activation scales, got no such key")
+        s = _checks.tensor(name, weights[name])
+        _checks.dtype_in(name, s, FLOATS)
+        if s.numel() != 1:
+            raise ValueError(f"{name} must hold one value, got shape {tuple(s.shape)}")
+        return s.detach().float().reshape(()).cpu()
+
+
+def _dense(w: torch.Tensor, block_scale: torch.Tensor | None, tensor_scale: torch.Tensor | None) -> torch.Tensor:
+    """One projection's weight in fp32 (or its own float dtype), FP8 dequantized with its scale."""
+    if block_scale is not None:
+        return dequantize_fp8_block(w, block_scale)
+    if tensor_scale is not None:
+        return w.float() * tensor_scale
+    return w
+
+
+def _as_blocks(w, block_scale, tensor_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, weight_scale_inv)`` of one projection: as stored when it is FP8 blocks already, else quantized."""
+    if block_scale is not None:
+        return w, block_scale
+    return quantize_fp8_block_weights(_dense(w, block_scale, tensor_scale))

@@ -1,0 +1,131 @@
+"""The single-GPU MoE pipeline: align -> permute (+ quantize) -> GEMM1 + activation -> GEMM2 -> combine.
+
+Six kernel launches on a GPU with no host sync (seven to nine with per-tensor FP8, which computes dynamic
+activation scales on the device), so a whole layer captures in a CUDA graph; the same ops run the reference
+on a CPU.
+
+Dimension legend: ``T`` tokens, ``k`` top-k, ``E`` experts, ``H`` hidden, ``I`` intermediate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashinfer_moe import _checks
+
+from . import gemm
+from .layout import moe_align_contiguous
+from .permute import combine, permute, permute_fp8_per_tensor, permute_fp8_per_token_group
+from .quant import FLOATS, FP8, quantize_fp8_per_tensor
+
+__all__ = ["fused_moe"]
+
+QUANTS = (None, "fp8_block", "fp8_tensor")
+
+
+def _check_weights(quant, hidden, w13, w2, w13_scale, w2_scale) -> tuple[int, int]:
+    w13 = _checks.tensor("w13", w13)
+    w2 = _checks.tensor("w2", w2)
+    _checks.ndim("w13", w13, 3, "[E, 2I, H]")
+    _checks.ndim("w2", w2, 3, "[E, H, I]")
+    num_experts, two_i, h = w13.shape
+    if h != hidden.shape[1]:
+        raise ValueError(f"w13 must have H = {hidden.shape[1]} columns (as hidden_states), got {tuple(w13.shape)}")
+    if two_i == 0 or two_i % 2:
+        raise ValueError(f"w13 must have 2I rows (gate then up), an even number, got {tuple(w13.shape)}")
+    if tuple(w2.shape) != (num_experts, h, two_i // 2):
+        raise ValueError(f"w2 must have shape {(num_experts, h, two_i // 2)} ([E, H, I]), got {tuple(w2.shape)}")
+    wanted = (torch.bfloat16, torch.float16) if quant is None else (FP8,)
+    _checks.dtype_in("w13", w13, wanted)
+    _checks.dtype_in("w2", w2, wanted)
+    if w2.dtype != w13.dtype:
+        raise TypeError(f"w2 must have the dtype of w13 ({w13.dtype}), got {w2.dtype}")
+    for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if quant is None and s is not None:
+            raise ValueError(f"{name} must be None without quant, got a tensor of shape {tuple(s.shape)}")
+        if quant is not None and s is None:
+            raise ValueError(f"{name} must be given with quant={quant!r}, got None")
+    return num_experts, two_i // 2
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    quant: str | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    a13_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    routed_scaling_factor: float | None = None,
+    validate: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One MoE layer's experts on one GPU: ``out[t] = rsf * sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` with
+    ``expert_e(x) = w2[e] @ act(w13[e] @ x)``.
+
+    Args:
+        hidden_states: `[T, H]` bfloat16/float16 (float32 is accepted and computed in bf16).
+        w13: `[E, 2I, H]` gate rows then up rows: bf16/fp16 without ``quant``, float8_e4m3fn with it.
+        w2: `[E, H, I]`, the dtype of ``w13``.
+        topk_weights: `[T, k]` routing weights.
+        topk_ids: `[T, k]` int32 expert ids in ``[0, E)``; -1 skips a slot.
+        quant: ``None``; ``"fp8_block"`` (DeepSeek-V3: activations quantized per token and 128 channels,
+            weights per 128 x 128 block, ``w13_scale [E, 2I/128, H/128]``, ``w2_scale [E, H/128, I/128]``);
+            or ``"fp8_tensor"`` (one scale per expert, ``w13_scale``/``w2_scale`` `[E]`; activations per
+            tensor, from ``a13_scale``/``a2_scale`` where given, else computed on the device).
+        w13_scale, w2_scale: weight scales as ``quant`` needs (float32).
+        a13_scale, a2_scale: static per-tensor activation scales for ``"fp8_tensor"`` (e.g. a checkpoint's
+            ``input_scale``), float32 one-element tensors.
+        activation: ``"silu"`` or ``"clamped_silu"`` (gpt-oss, with ``alpha`` and ``limit``).
+        routed_scaling_factor: optional factor applied to the weighted sum.
+        validate: raise on ids outside ``[-1, E)`` (one host sync on a GPU, skipped under graph capture and
+            torch.compile); ``False`` drops them silently, as :func:`moe_align_contiguous` does.
+        out: optional `[T, H]` buffer of the dtype of ``hidden_states``.
+
+    Returns:
+        `[T, H]` in the dtype of ``hidden_states``.
+    """
+    hidden = _checks.tensor("hidden_states", hidden_states)
+    _checks.ndim("hidden_states", hidden, 2, "[T, H]")
+    _checks.dtype_in("hidden_states", hidden, FLOATS)
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    if activation not in ("silu", "clamped_silu"):
+        raise ValueError(f"activation must be 'silu' or 'clamped_silu', got {activation!r}")
+    num_experts, _ = _check_weights(quant, hidden, w13, w2, w13_scale, w2_scale)
+    if quant != "fp8_tensor" and (a13_scale is not None or a2_scale is not None):
+        raise ValueError(f"a13_scale and a2_scale apply to quant='fp8_tensor' only, got quant={quant!r}")
+    for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        _checks.same_device(name, _checks.tensor(name, t), "hidden_states", hidden)
+    out_dtype = hidden.dtype
+    act = dict(activation=activation, alpha=alpha, limit=limit)
+
+    layout = moe_align_contiguous(topk_ids, num_experts, 1, validate=validate)  # R = T * k rows, no padding
+    if quant is None:
+        a = permute(hidden.to(w13.dtype), layout)  # [R, H]
+        h1 = gemm.grouped_gemm_bf16_contiguous(a, w13, layout, **act)  # [R, I]
+        y = gemm.grouped_gemm_bf16_contiguous(h1, w2, layout)  # [R, H]
+    elif quant == "fp8_block":
+        a, a_scale = permute_fp8_per_token_group(hidden, layout)  # [R, H], [R, H/128]
+        q1, s1 = gemm.grouped_gemm_fp8_block_contiguous(a, a_scale, w13, w13_scale, layout, quantize_output=True, **act)
+        y = gemm.grouped_gemm_fp8_block_contiguous(q1, s1, w2, w2_scale, layout)  # [R, H] bf16
+    else:
+        a, a_scale = permute_fp8_per_tensor(hidden, layout, a13_scale)  # [R, H], one scale
+        # Rows that hold no pair (ids of -1) are not written by GEMM1: zero them, or their garbage would
+        # enter the dynamic scale of GEMM2's input.
+        h1 = (
+            torch.zeros(layout.num_rows, w2.shape[2], dtype=torch.bfloat16, device=hidden.device)
+            if a2_scale is None
+            else None
+        )
+        h1 = gemm.grouped_gemm_fp8_tensor_contiguous(a, a_scale, w13, w13_scale, layout, out=h1, **act)  # [R, I]
+        q1, s1 = quantize_fp8_per_tensor(h1, a2_scale)
+        y = gemm.grouped_gemm_fp8_tensor_contiguous(q1, s1, w2, w2_scale, layout)
+    return combine(y, topk_weights, layout, routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, out=out)

@@ -1,0 +1,296 @@
+"""Grouped GEMMs and fused_moe on the CPU tier: the public wrappers (CPU path), the Triton kernel itself in
+Triton's interpreter, and bad input."""
+
+import pytest
+import torch
+from checks import assert_error_names_argument
+from gemm_cases import (
+    FP8,
+    contiguous_layout,
+    make_activations,
+    make_weights,
+    owned_rows,
+    reference,
+    rel_err,
+)
+
+import flashinfer_moe as fm
+from flashinfer_moe import reference as ref
+
+GEMMS = {
+    ("bf16", "contiguous"): fm.grouped_gemm_bf16_contiguous,
+    ("bf16", "masked"): fm.grouped_gemm_bf16_masked,
+    ("fp8_block", "contiguous"): fm.grouped_gemm_fp8_block_contiguous,
+    ("fp8_block", "masked"): fm.grouped_gemm_fp8_block_masked,
+    ("fp8_tensor", "contiguous"): fm.grouped_gemm_fp8_tensor_contiguous,
+    ("fp8_tensor", "masked"): fm.grouped_gemm_fp8_tensor_masked,
+}
+
+
+def _call(kind, layout_kind, a, a_scale, w, w_scale, groups, **kw):
+    fn = GEMMS[("bf16" if kind in ("bf16", "fp16") else kind, layout_kind)]
+    if kind in ("bf16", "fp16"):
+        return fn(a, w, groups, **kw)
+    return fn(a, a_scale, w, w_scale, groups, **kw)
+
+
+# ------------------------------------------------------------------------------ public API, CPU path
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "fp8_block", "fp8_tensor"])
+@pytest.mark.parametrize("activation", [None, "silu", "clamped_silu"])
+@pytest.mark.parametrize("counts", [[3, 0, 1, 127], [1]])
+def test_contiguous_cpu_matches_reference(rng, kind, activation, counts):
+    seed, g = rng
+    n, k = 256, 384
+    layout = contiguous_layout(counts, 8, "cpu")
+    a, a_scale = make_activations(kind, (layout.num_rows,), k, g, "cpu")
+    w, w_scale = make_weights(kind, len(counts), n, k, g, "cpu")
+    out_n = n // 2 if activation else n
+    out = torch.full((layout.num_rows, out_n), float("nan"), dtype=torch.bfloat16 if kind != "fp16" else torch.float16)
+    kw = {} if kind in ("bf16", "fp16") else {"out_dtype": out.dtype}
+    got = _call(kind, "contiguous", a, a_scale, w, w_scale, layout, activation=activation, out=out, **kw)
+    assert got is out
+    owned = owned_rows(layout.tokens_per_expert, layout.expert_offsets, layout.num_rows)
+    want = reference(a, a_scale, w, w_scale, layout.tokens_per_expert, layout.expert_offsets, activation)
+    assert rel_err(got[owned], want[owned]) < 1e-2, seed
+    assert got[~owned].isnan().all(), "rows no expert owns must not be written"
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_block", "fp8_tensor"])
+def test_masked_cpu_clamps_counts_to_capacity(rng, kind):
+    seed, g = rng
+    num_experts, capacity, n, k = 3, 5, 128, 256
+    a, a_scale = make_activations(kind, (num_experts, capacity), k, g, "cpu", a_mode="row")
+    w, w_scale = make_weights(kind, num_experts, n, k, g, "cpu")
+    counts = torch.tensor([2, 0, 9], dtype=torch.int32)  # 9 > C: only C rows are computed
+    got = _call(kind, "masked", a, a_scale, w, w_scale, counts)
+    clamped = counts.clamp(max=capacity)
+    offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
+    want = reference(a, a_scale, w, w_scale, clamped, offsets).view(num_experts, capacity, n)
+    for e, c in enumerate(clamped.tolist()):
+        assert rel_err(got[e, :c], want[e, :c]) < 1e-2 if c else True, seed
+
+
+def test_quantize_output_cpu_is_the_group_quantizer(rng):
+    seed, g = rng
+    layout = contiguous_layout([4, 9], 1, "cpu")
+    a, a_scale = make_activations("fp8_block", (layout.num_rows,), 256, g, "cpu")
+    w, w_scale = make_weights("fp8_block", 2, 512, 256, g, "cpu")
+    q, s = fm.grouped_gemm_fp8_block_contiguous(a, a_scale, w, w_scale, layout, activation="silu", quantize_output=True)
+    assert q.dtype == FP8 and s.shape == (layout.num_rows, 2)
+    y = reference(a, a_scale, w, w_scale, layout.tokens_per_expert, layout.expert_offsets, "silu")
+    # The CPU path computes in fp32; quantizing the float64 reference can differ by one FP8 step.
+    assert rel_err(ref.dequantize_fp8_per_token_group(q, s), y) < 4e-2, seed
+
+
+@pytest.mark.parametrize("quant", [None, "fp8_block", "fp8_tensor"])
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_fused_moe_cpu_matches_reference(rng, quant, num_tokens):
+    seed, g = rng
+    num_experts, top_k, h, inter = 6, 3, 256, 128
+    x = torch.randn(num_tokens, h, generator=g).bfloat16()
+    kind = quant or "bf16"
+    w13, s13 = make_weights(kind, num_experts, 2 * inter, h, g, "cpu")
+    w2, s2 = make_weights(kind, num_experts, h, inter, g, "cpu")
+    weights, ids = fm.route(torch.randn(num_tokens, num_experts, generator=g), top_k)
+    ids[0, -1] = -1  # a skipped slot
+    got = fm.fused_moe(x, w13, w2, weights, ids, quant=quant, w13_scale=s13, w2_scale=s2, routed_scaling_factor=1.5)
+    want = ref.fused_moe(x, w13, w2, weights, ids, quant=quant, w13_scale=s13, w2_scale=s2, routed_scaling_factor=1.5)
+    assert got.shape == (num_tokens, h) and got.dtype == torch.bfloat16
+    assert rel_err(got, want) < 2e-2, seed
+
+
+# ------------------------------------------------------------------------- the kernel, interpreted
+
+
+@pytest.fixture
+def kernel():
+    if not torch.cuda.is_available():
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton interpreter was not selected before the kernel module was imported")
+    from flashinfer_moe.moe import gemm_kernel
+
+    return gemm_kernel
+
+
+def _launch(kernel, a, w, out, out_scale, counts, offsets, a_scale, w_scale, a_mode, w_mode, act, capacity, cfg):
+    rows = a.shape[0]
+    bound = -(-rows // cfg["BLOCK_M"]) + counts.shape[0]
+    kernel.launch(
+        a,
+        w,
+        out,
+        out_scale,
+        counts,
+        offsets,
+        a_scale,
+        w_scale,
+        a_mode=a_mode,
+        w_mode=w_mode,
+        act=act,
+        alpha=1.702,
+        limit=7.0,
+        capacity=capacity,
+        num_m_tiles_bound=bound,
+        config=cfg,
+    )
+
+
+_SMALL = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, GROUP_M=2)
+_SMALL_FP8 = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2, GROUP_M=3)
+
+
+# Triton 3.6's interpreter computes tl.dot on bf16 operands from their raw bits, so the plain path is
+# interpreted in fp16 (the same kernel code; bf16 itself is covered by the GPU tier).
+@pytest.mark.parametrize("act", [0, 1, 2])
+@pytest.mark.parametrize("n, k", [(128, 96), (96, 200)])  # N not a multiple of BLOCK_N; K not of BLOCK_K
+def test_kernel_fp16_interpreted(rng, kernel, act, n, k):
+    seed, g = rng
+    counts = torch.tensor([5, 0, 40, 1], dtype=torch.int32)
+    offsets = torch.tensor([0, 8, 8, 48, 56], dtype=torch.int32)  # padded starts, as block_rows=8 makes them
+    a = torch.randn(60, k, generator=g).half()
+    w = (torch.randn(4, n, k, generator=g) / k**0.5).half()
+    out_n = n // 2 if act else n
+    out = torch.full((60, out_n), float("nan"), dtype=torch.float32)
+    _launch(kernel, a, w, out, None, counts, offsets, None, None, 0, 0, act, 2**31 - 1, _SMALL)
+    want = reference(a, None, w, None, counts, offsets, [None, "silu", "clamped_silu"][act])
+    owned = owned_rows(counts, offsets, 60)
+    assert rel_err(out[owned], want[owned]) < 1e-5, seed
+    assert out[~owned].isnan().all()
+
+
+@pytest.mark.parametrize(
+    "a_mode, w_mode, act",
+    [(3, 2, 0), (3, 2, 1), (1, 1, 0), (2, 1, 1), (3, 1, 0), (1, 1, 2)],
+    ids=["block", "block-silu", "tensor", "row-silu", "group-expert", "tensor-clamped"],
+)
+def test_kernel_fp8_interpreted(rng, kernel, a_mode, w_mode, act):
+    seed, g = rng
+    num_experts, capacity, n, k = 3, 37, 256, 256
+    a_kind = {1: "tensor", 2: "row", 3: "group"}[a_mode]
+    a, a_scale = make_activations("fp8_tensor", (num_experts, capacity), k, g, "cpu", a_mode=a_kind)
+    w, w_scale = make_weights("fp8_block" if w_mode == 2 else "fp8_tensor", num_experts, n, k, g, "cpu")
+    counts = torch.tensor([37, 0, 19], dtype=torch.int32)
+    out_n = n // 2 if act else n
+    out = torch.full((num_experts * capacity, out_n), float("nan"))
+    flat_scale = a_scale.reshape(num_experts * capacity, -1) if a_mode == 3 else a_scale.reshape(-1)
+    _launch(
+        kernel,
+        a.view(-1, k),
+        w,
+        out,
+        None,
+        counts,
+        None,
+        flat_scale,
+        w_scale,
+        a_mode,
+        w_mode,
+        act,
+        capacity,
+        _SMALL_FP8,
+    )  # masked: offsets None, expert e at row e * C
+    offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
+    want = reference(a, a_scale, w, w_scale, counts, offsets, [None, "silu", "clamped_silu"][act])
+    owned = owned_rows(counts, offsets, num_experts * capacity)
+    assert rel_err(out[owned], want[owned]) < 1e-5, seed
+    assert out[~owned].isnan().all()
+
+
+def test_kernel_quantized_output_interpreted(rng, kernel):
+    seed, g = rng
+    counts = torch.tensor([9, 30], dtype=torch.int32)
+    offsets = torch.tensor([0, 9, 39], dtype=torch.int32)
+    a, a_scale = make_activations("fp8_block", (39,), 256, g, "cpu")
+    w, w_scale = make_weights("fp8_block", 2, 512, 256, g, "cpu")
+    q = torch.zeros(39, 256, dtype=FP8)
+    s = torch.zeros(39, 2)
+    _launch(kernel, a, w, q, s, counts, offsets, a_scale, w_scale, 3, 2, 1, 2**31 - 1, _SMALL_FP8)
+    y = reference(a, a_scale, w, w_scale, counts, offsets, "silu").float()
+    want_q, want_s = ref.quantize_fp8_per_token_group(y)
+    assert rel_err(s, want_s) < 1e-5, seed
+    # The interpreter's float-to-FP8 conversion mis-rounds values that carry into the next binade (e.g. 7.9
+    # becomes 4), a few percent of them; the GPU tier checks the exact conversion.
+    same = (q.float() == want_q.float()).float().mean().item()
+    assert same > 0.9, (seed, same)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def _fp8_problem(g, rows=8, num_experts=2, n=256, k=256):
+    layout = contiguous_layout([rows // 2, rows - rows // 2], 1, "cpu")
+    a, a_scale = make_activations("fp8_block", (layout.num_rows,), k, g, "cpu")
+    w, w_scale = make_weights("fp8_block", num_experts, n, k, g, "cpu")
+    return a, a_scale, w, w_scale, layout
+
+
+def test_bad_input_names_the_argument(generator):
+    g = generator
+    a, a_s, w, w_s, layout = _fp8_problem(g)
+    f = fm.grouped_gemm_fp8_block_contiguous
+    assert_error_names_argument(lambda: f(a, a_s, w[:, :, :128], w_s, layout), ValueError, "w")
+    assert_error_names_argument(lambda: f(a, a_s, w, w_s[:, :1], layout), ValueError, "w_scale")
+    assert_error_names_argument(lambda: f(a, a_s[:, :1], w, w_s, layout), ValueError, "a_scale")
+    assert_error_names_argument(lambda: f(a, a_s.double(), w, w_s, layout), TypeError, "a_scale")
+    assert_error_names_argument(lambda: f(a.float(), a_s, w, w_s, layout), TypeError, "a")
+    assert_error_names_argument(lambda: f(a, a_s, w.float(), w_s, layout), TypeError, "w")
+    assert_error_names_argument(lambda: f(a, a_s, w[:1], w_s[:1], layout), ValueError, "w")  # E disagrees
+    assert_error_names_argument(lambda: f(a, a_s, w, w_s, "layout"), TypeError, "layout")
+    assert_error_names_argument(lambda: f(a, a_s, w, w_s, layout, activation="gelu"), ValueError, "activation")
+    assert_error_names_argument(
+        lambda: f(a, a_s, w, w_s, layout, out=torch.empty(3, 3, dtype=torch.bfloat16)), ValueError, "out"
+    )
+    # K not a multiple of 128 where 128-wide blocks are required
+    a2, s2 = ref.quantize_fp8_per_token_group(torch.randn(8, 192, generator=g), 64)
+    w2, ws2 = ref.quantize_fp8_block_weights(torch.randn(2, 256, 192, generator=g))
+    assert_error_names_argument(lambda: f(a2, s2, w2, ws2, layout), ValueError, "a")
+    # quantized output needs 128-column groups
+    w3, ws3 = make_weights("fp8_block", 2, 192, 256, g, "cpu")
+    assert_error_names_argument(
+        lambda: f(a, a_s, w3, ws3, layout, activation="silu", quantize_output=True), ValueError, "quantize_output"
+    )
+    t = fm.grouped_gemm_fp8_tensor_masked
+    am, am_s = make_activations("fp8_tensor", (2, 4), 256, g, "cpu")
+    wt, wt_s = make_weights("fp8_tensor", 2, 128, 256, g, "cpu")
+    assert_error_names_argument(
+        lambda: t(am, am_s, wt, wt_s, torch.ones(3, dtype=torch.int32)), ValueError, "tokens_per_expert"
+    )
+    assert_error_names_argument(lambda: t(am, am_s, wt, wt_s, torch.ones(2)), TypeError, "tokens_per_expert")
+    assert_error_names_argument(
+        lambda: t(am, am_s, wt, wt_s[:, None], torch.ones(2, dtype=torch.int32)), ValueError, "w_scale"
+    )
+    b = fm.grouped_gemm_bf16_contiguous
+    ab = torch.randn(layout.num_rows, 64).bfloat16()
+    assert_error_names_argument(lambda: b(ab, torch.randn(2, 32, 64).half(), layout), TypeError, "w")
+    assert_error_names_argument(lambda: b(ab[:-1], torch.randn(2, 32, 64).bfloat16(), layout), ValueError, "a")
+
+
+def test_fused_moe_bad_input(generator):
+    g = generator
+    x = torch.randn(3, 256, generator=g).bfloat16()
+    w13, s13 = make_weights("fp8_block", 4, 256, 256, g, "cpu")
+    w2, s2 = make_weights("fp8_block", 4, 256, 128, g, "cpu")
+    weights, ids = fm.route(torch.randn(3, 4, generator=g), 2)
+    f = fm.fused_moe
+    assert_error_names_argument(lambda: f(x, w13, w2, weights, ids, quant="fp8"), ValueError, "quant")
+    assert_error_names_argument(lambda: f(x, w13, w2, weights, ids, quant="fp8_block"), ValueError, "w13_scale")
+    assert_error_names_argument(lambda: f(x, w13, w2, weights, ids), TypeError, "w13")  # FP8 without quant
+    assert_error_names_argument(
+        lambda: f(x, w13, w2[:, :128], weights, ids, quant="fp8_block", w13_scale=s13, w2_scale=s2), ValueError, "w2"
+    )
+    assert_error_names_argument(
+        lambda: f(x[:, :128], w13, w2, weights, ids, quant="fp8_block", w13_scale=s13, w2_scale=s2), ValueError, "w13"
+    )
+    bad_ids = ids.clone()
+    bad_ids[0, 0] = 4  # E in the weights disagrees with the ids
+    with pytest.raises(ValueError, match="topk_ids"):
+        f(x, w13, w2, weights, bad_ids, quant="fp8_block", w13_scale=s13, w2_scale=s2)
+    assert_error_names_argument(
+        lambda: f(x, w13, w2, weights, ids, quant="fp8_block", w13_scale=s13, w2_scale=s2, activation="relu"),
+        ValueError,
+        "activation",
+    )
