@@ -30,7 +30,7 @@ from flashinfer_moe.layout import ExpertLayout
 from flashinfer_moe.moe.layout import moe_align_masked
 from flashinfer_moe.moe.permute import permute
 
-__all__ = ["CollectiveAllToAll", "DispatchHandle", "DispatchOutput"]
+__all__ = ["CollectiveAllToAll", "DispatchHandle", "DispatchOutput", "check_routing"]
 
 _instances = itertools.count()
 
@@ -38,6 +38,25 @@ _instances = itertools.count()
 def _capturing() -> bool:
     # The CPU build of torch raises on the query itself.
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_routing(h, topk_ids, topk_weights, top_k: int, num_experts: int, check_range: bool):
+    """``(topk_ids, topk_weights)`` checked against ``hidden_states`` ``h`` `[T, H]`: shapes `[T, k]`, dtypes,
+    device, and (with ``check_range``, one host sync) ids in ``[-1, E)``. Raised before any collective."""
+    ids = _checks.tensor("topk_ids", topk_ids)
+    _checks.dtype_in("topk_ids", ids, (torch.int32, torch.int64))
+    if tuple(ids.shape) != (h.shape[0], top_k):
+        raise ValueError(f"topk_ids must have shape ({h.shape[0]}, {top_k}), got {tuple(ids.shape)}")
+    _checks.same_device("topk_ids", ids, "hidden_states", h)
+    if check_range and ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= num_experts):
+        raise ValueError(f"topk_ids must lie in [-1, num_experts) = [-1, {num_experts}), got values in "
+                         f"[{int(ids.min())}, {int(ids.max())}]")  # fmt: skip
+    w = _checks.tensor("topk_weights", topk_weights)
+    _checks.dtype_in("topk_weights", w, (torch.float32,))
+    if w.shape != ids.shape:
+        raise ValueError(f"topk_weights must have shape {tuple(ids.shape)}, got {tuple(w.shape)}")
+    _checks.same_device("topk_weights", w, "hidden_states", h)
+    return ids, w
 
 
 @dataclass(frozen=True, eq=False)
@@ -241,20 +260,8 @@ class CollectiveAllToAll:
         if h.shape[0] > self.max_tokens_per_rank:
             raise ValueError(f"hidden_states must have at most max_tokens_per_rank = {self.max_tokens_per_rank} "
                              f"tokens, got {h.shape[0]}")  # fmt: skip
-        ids = _checks.tensor("topk_ids", topk_ids)
-        _checks.dtype_in("topk_ids", ids, (torch.int32, torch.int64))
-        if tuple(ids.shape) != (h.shape[0], self.top_k):
-            raise ValueError(f"topk_ids must have shape ({h.shape[0]}, {self.top_k}), got {tuple(ids.shape)}")
-        _checks.same_device("topk_ids", ids, "hidden_states", h)
         check = self.validate and not (self.mode == "low_latency" and _capturing())
-        if check and ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= self.num_experts):
-            raise ValueError(f"topk_ids must lie in [-1, num_experts) = [-1, {self.num_experts}), got values in "
-                             f"[{int(ids.min())}, {int(ids.max())}]")  # fmt: skip
-        w = _checks.tensor("topk_weights", topk_weights)
-        _checks.dtype_in("topk_weights", w, (torch.float32,))
-        if w.shape != ids.shape:
-            raise ValueError(f"topk_weights must have shape {tuple(ids.shape)}, got {tuple(w.shape)}")
-        _checks.same_device("topk_weights", w, "hidden_states", h)
+        ids, w = check_routing(h, topk_ids, topk_weights, self.top_k, self.num_experts, check)
         if scales is not None:
             scales = _checks.tensor("scales", scales)
             _checks.dtype_in("scales", scales, (torch.float32,))

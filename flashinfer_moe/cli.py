@@ -11,7 +11,12 @@ import time
 from . import __version__
 
 # Modules that register kernel families with the JIT; `build` and `env` import them all.
-KERNEL_MODULES = ("flashinfer_moe.moe.routing", "flashinfer_moe.moe._kernels", "flashinfer_moe.comm.p2p_check")
+KERNEL_MODULES = (
+    "flashinfer_moe.moe.routing",
+    "flashinfer_moe.moe._kernels",
+    "flashinfer_moe.comm.p2p_check",
+    "flashinfer_moe.comm._kernels",
+)
 
 
 def _load_kernel_registry():

@@ -32,6 +32,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "30",
         "seconds an all-to-all step waits for its peers before raising CommTimeoutError",
     ),
+    "FLASHINFER_MOE_A2A_FIRST_TIMEOUT_S": (
+        "300",
+        "the same bound for the first P2P dispatch and combine of a communicator, while peers may still be starting",
+    ),
     "FLASHINFER_MOE_PROBE_FORCE": (
         "unset",
         "`timeout` or `fail` makes every live P2P flag check fail that way (tests the failure paths)",
@@ -91,6 +95,10 @@ def jit_lock_timeout_s() -> float:
 
 def a2a_timeout_s() -> float:
     return _float("FLASHINFER_MOE_A2A_TIMEOUT_S", 30.0)
+
+
+def a2a_first_timeout_s() -> float:
+    return _float("FLASHINFER_MOE_A2A_FIRST_TIMEOUT_S", 300.0)
 
 
 def jit_verbose() -> bool:
