@@ -4,7 +4,8 @@
 #
 #   bash launch/gpu_suite.sh LOGDIR [--quick | --no-bench]
 #
-# --quick: a short routing benchmark; --no-bench: none. BENCHES="permute" (default "routing permute") picks
+# --quick: a short routing benchmark; --no-bench: none. BENCHES (default "routing permute gemm"; add "a2a" for
+# the all-to-all benchmark under torchrun on two or more GPUs) picks
 # the benchmarks; SKIP_CPU_TIER=1 skips the CPU tests. With two or more GPUs it also runs the multigpu tier and
 # records the probe's outputs (plain, --json, --bandwidth, and a forced failure) in probe.txt.
 set -uo pipefail
@@ -88,7 +89,7 @@ for so in $(find "$FLASHINFER_MOE_CACHE_DIR" -name 'lib*.so' | sort); do
   cuobjdump --dump-resource-usage "$so" 2>&1 | grep -E "Function|REG" | head -60
 done | tee -a "$LOG/jit.txt"
 
-BENCHES=${BENCHES:-routing permute}
+BENCHES=${BENCHES:-routing permute gemm}
 if [ "$QUICK" != "--no-bench" ] && [[ " $BENCHES " == *" routing "* ]]; then
   step "benchmark: routing"
   if [ "$QUICK" = "--quick" ]; then extra="--tokens 1,4096 --models deepseek_v3 --no-compile"; else extra=""; fi
@@ -99,6 +100,17 @@ if [ "$QUICK" != "--no-bench" ] && [[ " $BENCHES " == *" permute "* ]]; then
   step "benchmark: layout, permute and combine"
   $PY "$REPO/launch/bench_permute.py" --markdown "$LOG/bench_permute.md" --json "$LOG/bench_permute.json"
   [ $? = 0 ] || status=1
+fi
+
+if [ "$QUICK" != "--no-bench" ] && [[ " $BENCHES " == *" gemm "* ]]; then
+  step "benchmark: grouped GEMMs and fused_moe (with the SASS check)"
+  $PY "$REPO/launch/bench_gemm.py" --markdown "$LOG/bench_gemm.md" --json "$LOG/bench_gemm.json" --sass "$LOG/sass"
+  [ $? = 0 ] || status=1
+fi
+if [ "$NGPU" -ge 2 ] && [[ " $BENCHES " == *" a2a "* ]]; then
+  step "benchmark: all-to-all ($NGPU ranks)"
+  torchrun --nproc-per-node "$NGPU" "$REPO/launch/bench_a2a.py" --json "$LOG/bench_a2a.json" 2>&1 | tee "$LOG/bench_a2a.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 step "done (status $status)"
