@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from flashinfer_moe import _checks, envs
 
-from .collective import CollectiveAllToAll, DispatchHandle, DispatchOutput, _capturing, check_routing
+from .collective import CollectiveAllToAll, DispatchHandle, DispatchOutput, check_dispatch_inputs
 
 __all__ = ["MoEAllToAll"]
 
@@ -254,20 +254,9 @@ class MoEAllToAll:
     # ------------------------------------------------------------------------------------- validation
 
     def _check_dispatch(self, hidden_states, topk_ids, topk_weights, scales):
-        h = _checks.tensor("hidden_states", hidden_states)
-        _checks.ndim("hidden_states", h, 2, "[num_tokens, hidden_size]")
-        if h.dtype != self.dtype or h.shape[1] != self.hidden_size:
-            raise ValueError(
-                f"hidden_states must be [T, {self.hidden_size}] {self.dtype} as the communicator was built, "
-                f"got {tuple(h.shape)} {h.dtype}"
-            )
-        if h.shape[0] > self.max_tokens_per_rank:
-            raise ValueError(f"hidden_states must have at most max_tokens_per_rank = {self.max_tokens_per_rank} "
-                             f"tokens, got {h.shape[0]}")  # fmt: skip
+        h, ids, w = check_dispatch_inputs(self, hidden_states, topk_ids, topk_weights)
         if self.backend == "p2p" and h.device != self.device:
             raise ValueError(f"hidden_states must be on {self.device} (the communicator's GPU), got {h.device}")
-        check = self.validate and not (self.mode == "low_latency" and _capturing())
-        ids, w = check_routing(h, topk_ids, topk_weights, self.top_k, self.num_experts, check)
         if scales is not None:
             scales = _checks.tensor("scales", scales)
             _checks.dtype_in("scales", scales, (torch.float32,))

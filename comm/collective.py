@@ -30,7 +30,7 @@ from flashinfer_moe.layout import ExpertLayout
 from flashinfer_moe.moe.layout import moe_align_masked
 from flashinfer_moe.moe.permute import permute
 
-__all__ = ["CollectiveAllToAll", "DispatchHandle", "DispatchOutput", "check_routing"]
+__all__ = ["CollectiveAllToAll", "DispatchHandle", "DispatchOutput", "check_dispatch_inputs"]
 
 _instances = itertools.count()
 
@@ -40,9 +40,23 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def check_routing(h, topk_ids, topk_weights, top_k: int, num_experts: int, check_range: bool):
-    """``(topk_ids, topk_weights)`` checked against ``hidden_states`` ``h`` `[T, H]`: shapes `[T, k]`, dtypes,
-    device, and (with ``check_range``, one host sync) ids in ``[-1, E)``. Raised before any collective."""
+def check_dispatch_inputs(comm, hidden_states, topk_ids, topk_weights):
+    """``(hidden_states, topk_ids, topk_weights)`` checked against a communicator's configuration (``dtype``,
+    ``hidden_size``, ``max_tokens_per_rank``, ``top_k``, ``num_experts``, ``validate``, ``mode``): `[T, H]` and
+    `[T, k]` shapes, dtypes, devices, and ids in ``[-1, E)`` (one host sync; skipped without ``validate`` and
+    while a low-latency call is captured). Raised before any collective, on every rank."""
+    h = _checks.tensor("hidden_states", hidden_states)
+    _checks.ndim("hidden_states", h, 2, "[num_tokens, hidden_size]")
+    if h.dtype != comm.dtype or h.shape[1] != comm.hidden_size:
+        raise ValueError(
+            f"hidden_states must be [T, {comm.hidden_size}] {comm.dtype} as the communicator was built, "
+            f"got {tuple(h.shape)} {h.dtype}"
+        )
+    if h.shape[0] > comm.max_tokens_per_rank:
+        raise ValueError(f"hidden_states must have at most max_tokens_per_rank = {comm.max_tokens_per_rank} "
+                         f"tokens, got {h.shape[0]}")  # fmt: skip
+    top_k, num_experts = comm.top_k, comm.num_experts
+    check_range = comm.validate and not (comm.mode == "low_latency" and _capturing())
     ids = _checks.tensor("topk_ids", topk_ids)
     _checks.dtype_in("topk_ids", ids, (torch.int32, torch.int64))
     if tuple(ids.shape) != (h.shape[0], top_k):
@@ -56,7 +70,7 @@ def check_routing(h, topk_ids, topk_weights, top_k: int, num_experts: int, check
     if w.shape != ids.shape:
         raise ValueError(f"topk_weights must have shape {tuple(ids.shape)}, got {tuple(w.shape)}")
     _checks.same_device("topk_weights", w, "hidden_states", h)
-    return ids, w
+    return h, ids, w
 
 
 @dataclass(frozen=True, eq=False)
@@ -250,18 +264,7 @@ class CollectiveAllToAll:
     # ---------------------------------------------------------------------------------------- dispatch
 
     def _check_dispatch(self, hidden_states, topk_ids, topk_weights, scales):
-        h = _checks.tensor("hidden_states", hidden_states)
-        _checks.ndim("hidden_states", h, 2, "[num_tokens, hidden_size]")
-        if h.dtype != self.dtype or h.shape[1] != self.hidden_size:
-            raise ValueError(
-                f"hidden_states must be [T, {self.hidden_size}] {self.dtype} as the communicator was built, "
-                f"got {tuple(h.shape)} {h.dtype}"
-            )
-        if h.shape[0] > self.max_tokens_per_rank:
-            raise ValueError(f"hidden_states must have at most max_tokens_per_rank = {self.max_tokens_per_rank} "
-                             f"tokens, got {h.shape[0]}")  # fmt: skip
-        check = self.validate and not (self.mode == "low_latency" and _capturing())
-        ids, w = check_routing(h, topk_ids, topk_weights, self.top_k, self.num_experts, check)
+        h, ids, w = check_dispatch_inputs(self, hidden_states, topk_ids, topk_weights)
         if scales is not None:
             scales = _checks.tensor("scales", scales)
             _checks.dtype_in("scales", scales, (torch.float32,))
