@@ -69,10 +69,8 @@ def main() -> None:
         default = gemm_config.pick(FP8, a_mode, w_mode, act, quant_out, rows, e, capacity, n, k)
         timed = []
         for cfg in [default, *configs(m, act, quant_out)]:
-            bm = cfg["BLOCK_M"]
-            bound = e * -(-m // bm) if masked else -(-rows // bm) + e
 
-            def run(i, cfg=cfg, bound=bound):
+            def run(i, cfg=cfg):
                 gemm_kernel.launch(
                     a,
                     w,
@@ -88,7 +86,6 @@ def main() -> None:
                     alpha=1.702,
                     limit=7.0,
                     capacity=capacity,
-                    num_m_tiles_bound=bound,
                     config=cfg,
                 )
 

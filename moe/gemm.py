@@ -65,9 +65,8 @@ def _gemm_cpu(
         limit=limit,
         compute_dtype=torch.float32,
     )  # [R, N]
-    for e, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
-        if e >= w.shape[0]:
-            break
+    # zip stops at the E counts (contiguous offsets hold E + 1 entries).
+    for start, count in zip(offsets.tolist(), counts.tolist(), strict=False):
         rows = slice(start, start + count)
         if out_scale is None:
             out[rows] = y[rows].to(out.dtype)
@@ -84,11 +83,6 @@ def _gemm_cuda(
     n = nw // 2 if act else nw
     rows = a.shape[0]
     config = gemm_config.pick(a.dtype, a_mode, w_mode, act, out_scale is not None, rows, num_experts, capacity, n, k)
-    block_m = config["BLOCK_M"]
-    if capacity != _NO_CAPACITY:  # masked: at most ceil(C / BLOCK_M) tiles per expert
-        bound = num_experts * -(-capacity // block_m)
-    else:  # contiguous: each expert wastes less than one tile
-        bound = -(-rows // block_m) + min(num_experts, rows)
     with on_device(a):
         gemm_kernel.launch(
             a,
@@ -105,7 +99,6 @@ def _gemm_cuda(
             alpha=alpha,
             limit=limit,
             capacity=capacity,
-            num_m_tiles_bound=bound,
             fast_accum=fast_accum,
             config=config,
         )

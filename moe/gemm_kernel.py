@@ -254,16 +254,21 @@ def launch(
     alpha: float,
     limit: float,
     capacity: int,
-    num_m_tiles_bound: int,
     config: dict,
     fast_accum: bool = False,
 ) -> None:
     """Launch the kernel on 2-D views: ``a [R, K]``, ``w [E, NW, K]``, ``out [R, N]`` (all unit stride in
     their last dimension); ``counts`` `[E]` int32; ``offsets`` `[E]` int32 (contiguous) or None (masked,
-    expert ``e`` at row ``e * capacity``); scales as their modes need."""
+    expert ``e`` at row ``e * capacity``); scales as their modes need. The grid is a static bound on the row
+    tiles, from the layout's shape, never from the counts (no host sync)."""
     num_experts, nw, k = w.shape
     n = nw // 2 if act != ACT_NONE else nw
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    rows = a.shape[0]
+    if offsets is None:  # masked: at most ceil(C / BLOCK_M) row tiles per expert
+        num_m_tiles_bound = num_experts * triton.cdiv(capacity, block_m)
+    else:  # contiguous: each expert wastes less than one tile
+        num_m_tiles_bound = triton.cdiv(rows, block_m) + min(num_experts, rows)
     grid = (num_m_tiles_bound * triton.cdiv(n, block_n),)
     dummy = counts  # any device pointer for the unused ones
     grouped_gemm_kernel[grid](

@@ -117,8 +117,6 @@ def kernel():
 
 
 def _launch(kernel, a, w, out, out_scale, counts, offsets, a_scale, w_scale, a_mode, w_mode, act, capacity, cfg):
-    rows = a.shape[0]
-    bound = -(-rows // cfg["BLOCK_M"]) + counts.shape[0]
     kernel.launch(
         a,
         w,
@@ -134,7 +132,6 @@ def _launch(kernel, a, w, out, out_scale, counts, offsets, a_scale, w_scale, a_m
         alpha=1.702,
         limit=7.0,
         capacity=capacity,
-        num_m_tiles_bound=bound,
         config=cfg,
     )
 
