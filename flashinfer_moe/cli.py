@@ -14,6 +14,7 @@ from . import __version__
 KERNEL_MODULES = (
     "flashinfer_moe.moe.routing",
     "flashinfer_moe.moe._kernels",
+    "flashinfer_moe.moe.gemm_sm90",
     "flashinfer_moe.comm.p2p_check",
     "flashinfer_moe.comm._kernels",
 )
@@ -90,8 +91,12 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(f"flashinfer-moe build: unknown kernel(s) {unknown}; known: {sorted(jit.REGISTRY)}", file=sys.stderr)
         return 2
     for name in names:
+        spec = jit.REGISTRY[name]
+        if spec.archs and not set(spec.archs) & set(arch) and not args.kernel:
+            print(f"{name}: skipped (written for sm_{', sm_'.join(spec.archs)} only)")
+            continue
         start = time.perf_counter()
-        path = jit.build(jit.REGISTRY[name], arch)
+        path = jit.build(spec, arch)
         print(f"{name}: {path} ({time.perf_counter() - start:.1f} s)")
     return 0
 

@@ -28,6 +28,14 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "seconds a process waits for another one's compile of the same kernel before giving up",
     ),
     "FLASHINFER_MOE_JIT_VERBOSE": ("0", "1 prints the compiler's command lines and output"),
+    "FLASHINFER_MOE_CUTLASS_DIR": (
+        "the headers of the installed nvidia-cutlass package",
+        "a CUTLASS include folder (holding cutlass/ and cute/) for the kernels built on CUTLASS",
+    ),
+    "FLASHINFER_MOE_GEMM_BACKEND": (
+        "auto",
+        "`triton` makes the FP8 block-scaled grouped GEMM skip its CUTLASS kernel on Hopper; `auto` uses it there",
+    ),
     "FLASHINFER_MOE_A2A_TIMEOUT_S": (
         "30",
         "seconds an all-to-all step waits for its peers before raising CommTimeoutError",
@@ -103,6 +111,18 @@ def a2a_first_timeout_s() -> float:
 
 def jit_verbose() -> bool:
     return _bool("FLASHINFER_MOE_JIT_VERBOSE")
+
+
+def cutlass_dir() -> Path | None:
+    raw = _str("FLASHINFER_MOE_CUTLASS_DIR")
+    return Path(raw).expanduser() if raw else None
+
+
+def gemm_backend() -> str:
+    raw = _str("FLASHINFER_MOE_GEMM_BACKEND") or "auto"
+    if raw not in ("auto", "triton"):
+        raise ValueError(f"FLASHINFER_MOE_GEMM_BACKEND must be 'auto' or 'triton', got {raw!r}")
+    return raw
 
 
 def cuda_home() -> Path | None:

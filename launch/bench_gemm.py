@@ -11,6 +11,10 @@ Tables:
 - fused: ``fused_moe`` (FP8 block) for a DeepSeek-V3 layer (H 7168, I 2048, top-8; E = 256, and E = 64 as one
   EP4 rank sees it), T in {1, 16, 128, 4096}, against a torch layer of per-expert ``_scaled_mm`` calls.
 
+The FP8 block-scaled rows also time each backend of that GEMM in the same run: the CUTLASS kernels of Hopper
+(``coop``: 128x128 tiles; ``pingpong``: 64x128) and the Triton kernel (``triton``); the plain column is the
+default choice.
+
 Kernel times are medians of CUDA-graph replays (inputs cycling through several sets where they are small
 enough, so that L2 does not hold them); the torch per-expert loops are timed eagerly, as they must sync.
 --sass DIR writes each compiled GEMM kernel's SASS there and prints its count of wgmma instructions.
@@ -19,7 +23,9 @@ enough, so that L2 does not hold them); the torch per-expert loops are timed eag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +65,39 @@ def _fp8_weights(e: int, n: int, k: int):
     return w, s
 
 
+@contextlib.contextmanager
+def block_backend(name: str):
+    """Routes the FP8 block-scaled GEMM to one backend: ``auto``, ``triton``, or a CUTLASS config by name."""
+    from flashinfer_moe.moe import gemm_sm90
+
+    saved_env, saved_pick = os.environ.get("FLASHINFER_MOE_GEMM_BACKEND"), gemm_sm90.pick
+    os.environ["FLASHINFER_MOE_GEMM_BACKEND"] = "triton" if name == "triton" else "auto"
+    if name in gemm_sm90.CONFIGS:
+        gemm_sm90.pick = lambda *args: (name, 1, "m")
+    try:
+        yield
+    finally:
+        gemm_sm90.pick = saved_pick
+        if saved_env is None:
+            os.environ.pop("FLASHINFER_MOE_GEMM_BACKEND", None)
+        else:
+            os.environ["FLASHINFER_MOE_GEMM_BACKEND"] = saved_env
+
+
+BLOCK_BACKENDS = ("coop", "pingpong", "triton")
+
+
+def time_block_backends(fn, **kw) -> dict[str, float]:
+    """``{backend: us}`` of ``time_graph(fn)`` under each of ``BLOCK_BACKENDS``; CUTLASS ones only on sm_90."""
+    out = {}
+    for name in BLOCK_BACKENDS:
+        if name != "triton" and torch.cuda.get_device_capability() != (9, 0):
+            continue
+        with block_backend(name):
+            out[name] = time_graph(fn, **kw)
+    return out
+
+
 def _scaled_mm(a, b_t, sa, sb):
     return torch._scaled_mm(a, b_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
@@ -77,6 +116,9 @@ def contiguous_rows(rows: list[dict]) -> None:
         w, w_s = _fp8_weights(num_experts, n, k)
         out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
         block = time_graph(lambda i: fm.grouped_gemm_fp8_block_contiguous(a, a_s, w, w_s, layout, out=out), calls=5)
+        variants = time_block_backends(
+            lambda i: fm.grouped_gemm_fp8_block_contiguous(a, a_s, w, w_s, layout, out=out), calls=5
+        )
         row_s = torch.rand(m, device=DEV) + 0.5
         exp_s = torch.rand(num_experts, device=DEV) + 0.5
         tensor = time_graph(lambda i: fm.grouped_gemm_fp8_tensor_contiguous(a, row_s, w, exp_s, layout, out=out), 5)
@@ -123,6 +165,7 @@ def contiguous_rows(rows: list[dict]) -> None:
                 dense_scaled_mm_tflops=tflops(flops, dense),
                 loop_scaled_mm_tflops=tflops(flops, looped),
                 block_vs_dense=dense / block,
+                **{f"block_{name}_vs_dense": dense / us for name, us in variants.items()},
                 tensor_vs_dense=dense / tensor,
                 block_vs_loop=looped / block,
                 bf16_tflops=tflops(flops, bf16),
@@ -143,6 +186,10 @@ def masked_rows(rows: list[dict]) -> None:
         counts = torch.full((num_experts,), per_expert, dtype=torch.int32, device=DEV)
         out = torch.empty(num_experts, per_expert, n, dtype=torch.bfloat16, device=DEV)
         us = time_graph(
+            lambda i: fm.grouped_gemm_fp8_block_masked(a, a_s, ws[i % sets][0], ws[i % sets][1], counts, out=out),
+            calls=6,
+        )
+        variants = time_block_backends(
             lambda i: fm.grouped_gemm_fp8_block_masked(a, a_s, ws[i % sets][0], ws[i % sets][1], counts, out=out),
             calls=6,
         )
@@ -169,6 +216,8 @@ def masked_rows(rows: list[dict]) -> None:
                 loop_scaled_mm_us=looped,
                 loop_weight_tb_s=weight_bytes / (looped * 1e-6) / 1e12,
                 speedup_vs_loop=looped / us,
+                **{f"{name}_tb_s": weight_bytes / (v * 1e-6) / 1e12 for name, v in variants.items()},
+                **{f"{name}_tflops": tflops(flops, v) for name, v in variants.items()},
             )
         )
         print(rows[-1], flush=True)
@@ -264,6 +313,23 @@ def check_sass(directory: Path) -> None:
             )
 
 
+def check_cutlass_sass(directory: Path) -> None:
+    """SASS of the CUTLASS grouped GEMM library, and its count of wgmma instructions per kernel."""
+    from flashinfer_moe import jit
+    from flashinfer_moe.moe import gemm_sm90
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        return
+    lib = jit.build(gemm_sm90.SPEC)
+    sass = subprocess.run(["cuobjdump", "-sass", str(lib)], capture_output=True, text=True).stdout
+    (directory / "gemm_sm90.sass").write_text(sass)
+    for chunk in sass.split("Function : ")[1:]:
+        name = chunk.split("\n", 1)[0].strip()
+        counts = {op: chunk.count(op) for op in ("HGMMA", "QGMMA", "HMMA", "IMMA")}
+        kind = "pingpong" if "Pingpong" in name else "coop" if "Cooperative" in name else "setup"
+        print(f"cutlass {kind} kernel ({name[:60]}...): {counts}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tables", default="contiguous,masked,fused")
@@ -282,6 +348,7 @@ def main() -> None:
         fused_rows(rows)
     if args.sass:
         check_sass(args.sass)
+        check_cutlass_sass(args.sass)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     if args.markdown:

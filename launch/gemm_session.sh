@@ -2,6 +2,9 @@
 # One device call for the grouped-GEMM work: install, GPU tests, the config sweep and the benchmark.
 #
 #   bash launch/gemm_session.sh LOGDIR [tests|tune|bench|all ...]
+#
+# Optional environment: EXTRA_TESTS (more test files), PYTEST_K (a -k expression), TUNE_ARGS, BENCH_ARGS,
+# WHEELS (a folder of wheels to install first, default .dev/wheels), PREBUILT (a kernel cache to start from).
 set -uo pipefail
 LOG=${1:?usage: gemm_session.sh LOGDIR [steps]}
 shift
@@ -12,11 +15,21 @@ export PYTHONUNBUFFERED=1 FLASHINFER_MOE_CACHE_DIR=${FLASHINFER_MOE_CACHE_DIR:-/
 PY=${PYTHON:-python3}
 status=0
 has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
+# Wheels of the dependencies a bare GPU machine lacks (nvidia-cutlass's headers), if the caller brought them.
+WHEELS=${WHEELS:-.dev/wheels}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-deps --no-index "$WHEELS"/*.whl >"$LOG/install_wheels.txt" 2>&1 || { cat "$LOG/install_wheels.txt"; exit 1; }
+fi
 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$LOG/install.txt" 2>&1 || { cat "$LOG/install.txt"; exit 1; }
+if [ -n "${PREBUILT:-}" ] && [ -d "$PREBUILT" ]; then
+  mkdir -p "$FLASHINFER_MOE_CACHE_DIR" && cp -rn "$PREBUILT"/. "$FLASHINFER_MOE_CACHE_DIR"/
+fi
+echo "=== kernel builds ($(date -u +%T))"
+$PY -m flashinfer_moe build 2>&1 | tee "$LOG/build.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$LOG/env.txt"
 if has tests; then
   echo "=== pytest gemm/layer GPU tests ($(date -u +%T))"
-  $PY -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gemm_gpu.py ${EXTRA_TESTS:-} 2>&1 | tail -40 | tee "$LOG/pytest_gemm_gpu.log"
+  $PY -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gemm_gpu.py ${EXTRA_TESTS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -40 | tee "$LOG/pytest_gemm_gpu.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has tune; then

@@ -82,6 +82,15 @@ def _gemm_cuda(
     num_experts, nw, k = w.shape
     n = nw // 2 if act else nw
     rows = a.shape[0]
+    if a_mode == A_GROUP and w_mode == W_BLOCK and not act and out_scale is None:
+        from . import gemm_sm90
+
+        if gemm_sm90.usable(a, w, out, a_scale, w_scale, n, k):
+            with on_device(a):
+                gemm_sm90.launch(
+                    a, a_scale, w, w_scale, out, counts, offsets, None if offsets is not None else capacity
+                )
+            return
     config = gemm_config.pick(a.dtype, a_mode, w_mode, act, out_scale is not None, rows, num_experts, capacity, n, k)
     with on_device(a):
         gemm_kernel.launch(

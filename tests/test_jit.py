@@ -501,3 +501,58 @@ def test_compile_messages_are_visible_once(env):
     assert [ln for ln in lines if "compiling k1" in ln] == ["[flashinfer_moe] compiling k1 for sm_90a (first use)"]
     assert [ln for ln in lines if "compiling k2" in ln] == ["APP compiling k2 for sm_90a (first use)"]
     assert not [ln for ln in lines if "k3" in ln]
+
+
+# ------------------------------------------------------------------------------ third-party header sets
+
+
+def _fake_cutlass(where: Path, release: str = "4.2.0") -> Path:
+    write_tree(
+        where, {"cutlass/version.h": f"#define CUTLASS_VERSION {release}\n", "cute/tensor.hpp": "#pragma once\n"}
+    )
+    return where
+
+
+@pytest.fixture
+def cutlass_env(env, monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHINFER_MOE_CUTLASS_DIR", str(_fake_cutlass(tmp_path / "cutlass_a")))
+    write_tree(env.root, {"g/g.cu": '#include "cute/tensor.hpp"\n#include "common/h.cuh"\nint g;\n'})
+    env.spec = core.KernelSpec("g", ("g/g.cu",), root=env.root, header_sets=("cutlass",))
+    return env
+
+
+def test_header_set_is_on_the_include_path_but_keyed_by_its_release(cutlass_env, monkeypatch, tmp_path):
+    env = cutlass_env
+    flags = core.nvcc_flags(env.spec, ["90a"])
+    assert f"-I{tmp_path / 'cutlass_a'}" in flags
+    # The set's files are not walked (its release stands for them); ours still are.
+    files = [p.relative_to(env.root).as_posix() for p in core.source_files(env.spec)]
+    assert files == ["common/h.cuh", "common/inner.cuh", "g/g.cu"]
+    before = env.key()
+    monkeypatch.setenv("FLASHINFER_MOE_CUTLASS_DIR", str(_fake_cutlass(tmp_path / "cutlass_b")))
+    assert env.key() == before, "the same release elsewhere must reuse the build"
+    monkeypatch.setenv("FLASHINFER_MOE_CUTLASS_DIR", str(_fake_cutlass(tmp_path / "cutlass_c", "4.3.0")))
+    assert env.key() != before
+    so = core.build(env.spec)
+    assert any(f"-I{tmp_path / 'cutlass_c'}" in c for c in env.calls("compile")), env.calls("compile")
+    assert so.is_file()
+
+
+def test_missing_header_set_is_a_clear_error(cutlass_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHINFER_MOE_CUTLASS_DIR", str(tmp_path / "nothing"))
+    with pytest.raises(JitError, match="not a CUTLASS include folder"):
+        core.build(cutlass_env.spec)
+
+
+def test_unknown_header_set_is_rejected():
+    with pytest.raises(ValueError, match="unknown header sets"):
+        core.KernelSpec("k", ("a.cu",), header_sets=("boost",))
+
+
+def test_arch_specific_kernel_builds_only_for_its_arch(env):
+    spec = dataclasses.replace(env.spec, archs=("90a",))
+    with pytest.raises(JitError, match=r"written for sm_90a only"):
+        core.build(spec, ["100a"])
+    so = core.build(spec, ["90a", "100a"])  # the other arch is dropped, not compiled for
+    assert all("compute_100a" not in c for c in env.calls())
+    assert so == core.build(spec, ["90a"])

@@ -51,12 +51,16 @@ class KernelSpec:
         sources: ``.cu`` files relative to ``root``.
         extra_cuda_flags: nvcc flags appended to the common ones.
         root: Source folder and ``-I`` root; None means ``csrc_dir()``.
+        header_sets: Third-party header sets to add to the include path (see ``HEADER_SETS``).
+        archs: The only target archs the sources are written for (e.g. ``("90a",)``); empty means any.
     """
 
     name: str
     sources: tuple[str, ...]
     extra_cuda_flags: tuple[str, ...] = ()
     root: Path | None = None
+    header_sets: tuple[str, ...] = ()
+    archs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.name or "") or not self.sources:
@@ -64,7 +68,41 @@ class KernelSpec:
         # Lists would make specs unhashable and unequal to the tuple form of the same spec.
         object.__setattr__(self, "sources", tuple(self.sources))
         object.__setattr__(self, "extra_cuda_flags", tuple(self.extra_cuda_flags))
+        object.__setattr__(self, "header_sets", tuple(self.header_sets))
+        object.__setattr__(self, "archs", tuple(_checked_arch(list(self.archs))) if self.archs else ())
+        unknown = [h for h in self.header_sets if h not in HEADER_SETS]
+        if unknown:
+            raise ValueError(f"unknown header sets {unknown}; known: {sorted(HEADER_SETS)}")
         object.__setattr__(self, "root", None if self.root is None else Path(self.root))
+
+
+def _cutlass_include() -> tuple[Path, str]:
+    """CUTLASS's include folder and the text that identifies its release (its ``version.h``)."""
+    where = envs.cutlass_dir()
+    if where is None:
+        import importlib.util
+
+        # Located without importing it: the package's Python side pulls in modules a build never needs.
+        found = importlib.util.find_spec("cutlass_library")
+        if found is None or not found.origin:
+            raise JitError(
+                "this kernel is built on CUTLASS, whose headers were not found: `pip install nvidia-cutlass` "
+                "or point FLASHINFER_MOE_CUTLASS_DIR at a CUTLASS include folder"
+            )
+        where = Path(found.origin).parent / "source" / "include"
+    version = where / "cutlass" / "version.h"
+    if not version.is_file() or not (where / "cute").is_dir():
+        raise JitError(f"{where} is not a CUTLASS include folder (no cutlass/version.h and cute/ there)")
+    return where, version.read_text(encoding="utf-8", errors="replace")
+
+
+# name -> function returning (include folder, identity). Builds are keyed by the identity, not the folder,
+# so the same release installed elsewhere (another venv, another machine) reuses the build.
+HEADER_SETS = {"cutlass": _cutlass_include}
+
+
+def _header_includes(spec: KernelSpec) -> list[tuple[str, Path, str]]:
+    return [(name, *HEADER_SETS[name]()) for name in spec.header_sets]
 
 
 REGISTRY: dict[str, KernelSpec] = {}
@@ -192,8 +230,16 @@ def gencode_flags(arch: list[str]) -> list[str]:
     return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in _checked_arch(arch)]
 
 
-def _compile_flags(spec: KernelSpec, arch: list[str], include_root: str) -> list[str]:
-    return [*_BASE_FLAGS, f"-I{include_root}", *gencode_flags(arch), *spec.extra_cuda_flags]
+def _compile_flags(spec: KernelSpec, arch: list[str], include_root: str, headers: list[str] | None = None) -> list[str]:
+    if headers is None:
+        headers = [str(path) for _, path, _ in _header_includes(spec)]
+    return [
+        *_BASE_FLAGS,
+        f"-I{include_root}",
+        *(f"-I{h}" for h in headers),
+        *gencode_flags(arch),
+        *spec.extra_cuda_flags,
+    ]
 
 
 def nvcc_flags(spec: KernelSpec, arch: list[str]) -> list[str]:
@@ -219,6 +265,7 @@ def source_files(spec: KernelSpec) -> list[Path]:
         Absolute paths, sorted and de-duplicated.
     """
     root = _root(spec)
+    external = [path for _, path, _ in _header_includes(spec)]
     pending = [(root / src).resolve() for src in spec.sources]
     for src, path in zip(spec.sources, pending, strict=True):
         if not path.is_file():
@@ -232,6 +279,8 @@ def source_files(spec: KernelSpec) -> list[Path]:
         for inc in _INCLUDE_RE.findall(path.read_text(encoding="utf-8", errors="replace")):
             # As the preprocessor does: next to the including file first, then -I<root>.
             found = [base / inc for base in (path.parent, root) if (base / inc).is_file()]
+            if not found and any((base / inc).is_file() for base in external):
+                continue  # a header set's file: the key holds that set's release instead
             if not found:
                 raise JitError(f'{path}: #include "{inc}" not found (looked in {path.parent} and {root})')
             pending.append(found[0].resolve())
@@ -258,8 +307,13 @@ def cache_key(spec: KernelSpec, arch: list[str], nvcc: str) -> str:
 
     for part in (_RECIPE, spec.name, __version__, nvcc_version(nvcc), *arch):
         put(part)
-    # The root's location is left out, so a moved checkout or a wheel reuses the same builds.
-    put("\0".join(_compile_flags(spec, arch, "<root>")))
+    # The root's location is left out, so a moved checkout or a wheel reuses the same builds; so are the
+    # header sets' locations, which stand in the key by their release.
+    headers = _header_includes(spec)
+    put("\0".join(_compile_flags(spec, arch, "<root>", [f"<{name}>" for name, _, _ in headers])))
+    for name, _, identity in headers:
+        put(name)
+        put(identity)
     # nvcc reads these itself: they change the binary without showing on our command line.
     put(os.environ.get("NVCC_PREPEND_FLAGS", "") + "\0" + os.environ.get("NVCC_APPEND_FLAGS", ""))
     for path in source_files(spec):
@@ -429,6 +483,11 @@ def build(spec: KernelSpec, arch: list[str] | None = None) -> Path:
         Path of ``lib<name>.so`` in the cache.
     """
     arch = _checked_arch(current_arch() if arch is None else arch, normalize=True)
+    if spec.archs:
+        wanted = arch
+        arch = [a for a in arch if a in spec.archs]
+        if not arch:
+            raise JitError(f"kernel {spec.name!r} is written for sm_{', sm_'.join(spec.archs)} only, not for {wanted}")
     nvcc = find_nvcc()
     key = cache_key(spec, arch, nvcc)
     final = cache_root() / spec.name / key

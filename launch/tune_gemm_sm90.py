@@ -1,0 +1,110 @@
+"""Sweep of the CUTLASS FP8 block-scaled grouped GEMM's configurations and tile orders on the benchmark shapes.
+
+    python launch/tune_gemm_sm90.py [--json FILE]
+
+For every shape of ``bench_gemm.py``'s contiguous and masked tables, times each configuration of
+``flashinfer_moe.moe.gemm_sm90.CONFIGS`` with each swizzle (1, 2, 4, 8) and raster order (m, n), plus the dense
+``torch._scaled_mm`` baseline of the same FLOPs, all in this run; prints the best few per shape. The table in
+``gemm_sm90.pick`` is written from its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemm import _fp8_rows, _fp8_weights, _layout, _scaled_mm, tflops  # noqa: E402
+from timing import time_graph  # noqa: E402
+
+from flashinfer_moe.moe import gemm_sm90  # noqa: E402
+
+DEV = "cuda"
+CONTIGUOUS = ((8, 4096, 4096, 7168), (8, 4096, 7168, 2048), (32, 512, 4096, 7168), (32, 512, 7168, 2048))
+MASKED = ((32, 16, 4096, 7168), (32, 64, 4096, 7168), (32, 128, 4096, 7168))
+
+
+def sweep(fn, flops: float, weight_bytes: int) -> list[dict]:
+    rows = []
+    for config in gemm_sm90.CONFIGS:
+        for swizzle in (1, 2, 4, 8):
+            for raster in ("m", "n"):
+                us = time_graph(lambda i: fn(i, config, swizzle, raster), calls=5)
+                rows.append(
+                    dict(
+                        config=config,
+                        swizzle=swizzle,
+                        raster=raster,
+                        us=us,
+                        tflops=tflops(flops, us),
+                        weight_tb_s=weight_bytes / (us * 1e-6) / 1e12,
+                    )
+                )
+    return sorted(rows, key=lambda r: r["us"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    results = []
+    for num_experts, per_expert, n, k in CONTIGUOUS:
+        m = num_experts * per_expert
+        layout = _layout([per_expert] * num_experts)
+        a, a_s = _fp8_rows(m, k)
+        w, w_s = _fp8_weights(num_experts, n, k)
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
+        counts, offsets = layout.tokens_per_expert, layout.expert_offsets
+
+        def fn(i, config, swizzle, raster):
+            gemm_sm90.launch(a, a_s, w, w_s, out, counts, offsets, None, config, swizzle, raster)
+
+        flops = 2.0 * m * n * k
+        b_dense = w.reshape(-1, k)[:n].t()
+        sa, sb = torch.rand(m, 1, device=DEV) + 0.5, torch.rand(1, n, device=DEV) + 0.5
+        dense = time_graph(lambda i: _scaled_mm(a, b_dense, sa, sb), calls=5)
+        rows = sweep(fn, flops, num_experts * n * k)
+        for r in rows:
+            r["vs_dense"] = dense / r["us"]
+        results.append(
+            dict(layout="contiguous", experts=num_experts, rows=per_expert, n=n, k=k, dense_us=dense, sweep=rows)
+        )
+        print(f"contiguous {num_experts}x{per_expert} ({n}, {k}): dense {tflops(flops, dense):.0f} TFLOP/s", flush=True)
+        for r in rows[:6]:
+            print(
+                f"   {r['config']:9s} swizzle {r['swizzle']} raster {r['raster']}: {r['tflops']:.0f} TFLOP/s, "
+                f"{r['vs_dense']:.3f}x dense",
+                flush=True,
+            )
+    sets = 3
+    for num_experts, per_expert, n, k in MASKED:
+        ws = [_fp8_weights(num_experts, n, k) for _ in range(sets)]
+        a, a_s = _fp8_rows(num_experts * per_expert, k)
+        counts = torch.full((num_experts,), per_expert, dtype=torch.int32, device=DEV)
+        out = torch.empty(num_experts * per_expert, n, dtype=torch.bfloat16, device=DEV)
+
+        def fn(i, config, swizzle, raster):
+            w, w_s = ws[i % sets]
+            gemm_sm90.launch(a, a_s, w, w_s, out, counts, None, per_expert, config, swizzle, raster)
+
+        flops = 2.0 * num_experts * per_expert * n * k
+        rows = sweep(fn, flops, num_experts * n * k)
+        results.append(dict(layout="masked", experts=num_experts, rows=per_expert, n=n, k=k, sweep=rows))
+        print(f"masked {num_experts}x{per_expert} ({n}, {k})", flush=True)
+        for r in rows[:6]:
+            print(
+                f"   {r['config']:9s} swizzle {r['swizzle']} raster {r['raster']}: {r['weight_tb_s']:.2f} TB/s, "
+                f"{r['tflops']:.0f} TFLOP/s",
+                flush=True,
+            )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The Hopper FP8 block-scaled grouped GEMM built on CUTLASS (``csrc/gemm/sm90_fp8_block_grouped*.cu``).
+
+It serves the plain block-scaled GEMM (bf16 output, no fused activation) on sm_90 GPUs, where it overlaps the
+per-128 scale promotion with the tensor cores better than the Triton kernel can; everything else, and every
+other GPU, stays on the Triton kernel (``moe/gemm_kernel.py``). ``FLASHINFER_MOE_GEMM_BACKEND=triton`` turns
+it off. Dimension legend as in ``moe/gemm.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from flashinfer_moe import envs
+from flashinfer_moe._ops import check_launch, kernel_library, stream_of
+from flashinfer_moe.errors import JitError
+from flashinfer_moe.jit import KernelSpec, register
+
+logger = logging.getLogger("flashinfer_moe")
+
+SPEC = register(
+    KernelSpec(
+        "gemm_sm90",
+        (
+            "gemm/sm90_fp8_block_grouped_coop.cu",
+            "gemm/sm90_fp8_block_grouped_pingpong.cu",
+            "gemm/sm90_fp8_block_grouped_coop_n2.cu",
+            "gemm/sm90_common.cu",
+        ),
+        # NDEBUG drops CUTLASS's device asserts, whose calls would make ptxas serialize the wgmma pipeline.
+        ("-DNDEBUG",),
+        header_sets=("cutlass",),
+        archs=("90a",),
+    )
+)
+
+# coop: 128x128 tiles, both consumer warpgroups on one tile; pingpong: 64x128 tiles, one per warpgroup;
+# coop_n2: coop in clusters of two CTAs sharing the activation tile (TMA multicast).
+CONFIGS = ("coop", "pingpong", "coop_n2")
+
+_vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {}
+for _name in CONFIGS:
+    _SIGNATURES[f"fim_sm90_fp8_block_grouped_{_name}"] = (
+        [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _int, _int, _int, _int, _int, _int, _vp, _i64, _int, _vp],
+        _int,
+    )
+    _SIGNATURES[f"fim_sm90_fp8_block_grouped_{_name}_workspace"] = ([_int, _int], _i64)
+
+
+def _lib() -> ctypes.CDLL:
+    return kernel_library("gemm_sm90", _SIGNATURES)
+
+
+@functools.cache
+def _headers_found() -> bool:
+    try:
+        from flashinfer_moe.jit.core import HEADER_SETS
+
+        HEADER_SETS["cutlass"]()
+        return True
+    except JitError as e:
+        logger.warning("FP8 block-scaled grouped GEMM: using the Triton kernel on Hopper, because %s", e)
+        return False
+
+
+@functools.cache
+def _device_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def usable(a, w, out, a_scale, w_scale, n: int, k: int) -> bool:
+    """Whether this kernel takes the call: sm_90, CUTLASS present, dense 16-byte-aligned operands."""
+    if envs.gemm_backend() == "triton" or not _device_ok(a.device.index) or n % 128 or k % 128:
+        return False
+    if out.dtype != torch.bfloat16 or not all(t.is_contiguous() for t in (a, w, out, a_scale, w_scale)):
+        return False
+    if any(t.data_ptr() % 16 for t in (a, w, out)):
+        return False
+    return _headers_found()
+
+
+def pick(rows: int, num_experts: int, capacity: int | None, n: int, k: int) -> tuple[str, int, str]:
+    """``(config, swizzle, raster)`` for a shape; static facts only, so a captured graph replays what it captured."""
+    per_expert = capacity if capacity is not None else -(-rows // max(num_experts, 1))
+    # From launch/tune_gemm_sm90.py on an H200 (docs/perf.md); neighbours in that sweep were within ~2 %.
+    if per_expert <= 64:  # weight-bandwidth bound: the smaller tile wastes fewer rows
+        return "pingpong", 2, "m"
+    if per_expert <= 128:
+        return "coop", 1, "n"
+    if n >= 2 * k:
+        return "coop_n2", 1, "n"
+    return "coop", 2, "m"
+
+
+RASTERS = {"auto": 0, "m": 1, "n": 2}
+
+
+def launch(
+    a,
+    a_scale,
+    w,
+    w_scale,
+    out,
+    counts,
+    offsets,
+    capacity: int | None,
+    config: str | None = None,
+    swizzle: int = 1,
+    raster: str = "m",
+) -> None:
+    """``out[rows of e] = (a * a_scale)[rows of e] @ (w[e] * w_scale[e])^T`` in one grouped kernel.
+
+    Args:
+        a: `[R, K]` e4m3 (contiguous layout) or `[E * C, K]` (masked, flattened).
+        a_scale: `[R, K / 128]` float32.
+        w: `[E, N, K]` e4m3.
+        w_scale: `[E, N / 128, K / 128]` float32.
+        out: `[R, N]` bf16; rows of no expert are left as they are.
+        counts: `[E]` int32 rows per expert (masked: clamped to ``capacity`` here).
+        offsets: `[E + 1]` int32 first row of each expert (contiguous), or None (masked).
+        capacity: ``C`` of the masked layout, or None.
+        config: one of ``CONFIGS``; None picks it, the swizzle and the raster by shape (``pick``).
+        swizzle: 1, 2, 4 or 8 tiles side by side in the order tiles are handed out (L2 reuse).
+        raster: ``"m"`` (down the rows first), ``"n"``, or ``"auto"`` (CUTLASS decides).
+    """
+    num_experts, n, k = w.shape
+    if config is None:
+        config, swizzle, raster = pick(a.shape[0], num_experts, capacity, n, k)
+    if config not in CONFIGS:
+        raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
+    if swizzle not in (1, 2, 4, 8) or raster not in RASTERS:
+        raise ValueError(f"swizzle must be 1, 2, 4 or 8 and raster one of {list(RASTERS)}, got {swizzle}, {raster!r}")
+    lib = _lib()
+    index = a.device.index
+    sms = _sm_count(index)
+    size = getattr(lib, f"fim_sm90_fp8_block_grouped_{config}_workspace")(num_experts, sms)
+    if size <= 0:
+        raise RuntimeError(f"grouped GEMM workspace query failed for E = {num_experts}")
+    workspace = torch.empty(size, dtype=torch.uint8, device=a.device)
+    status = getattr(lib, f"fim_sm90_fp8_block_grouped_{config}")(
+        a.data_ptr(),
+        a_scale.data_ptr(),
+        w.data_ptr(),
+        w_scale.data_ptr(),
+        out.data_ptr(),
+        counts.data_ptr(),
+        None if offsets is None else offsets.data_ptr(),
+        0 if capacity is None else capacity,
+        num_experts,
+        n,
+        k,
+        swizzle,
+        RASTERS[raster],
+        workspace.data_ptr(),
+        size,
+        sms,
+        stream_of(a),
+    )
+    check_launch(lib, status, f"grouped GEMM (CUTLASS {config}, E={num_experts}, N={n}, K={k})")
