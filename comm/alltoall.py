@@ -2,9 +2,13 @@
 
 ``backend="p2p"``: the one-shot kernels over a symmetric workspace (:mod:`flashinfer_moe.comm.p2p`).
 ``backend="nccl"``: :class:`~flashinfer_moe.comm.collective.CollectiveAllToAll` (NCCL on GPUs, gloo on CPUs).
-``backend="auto"``: P2P when, on every rank, CUDA works, all ranks share one host, every pair of GPUs has
-peer access and native P2P atomics, the workspace maps, and a live flag check over it passes between every
-pair; else the collective path, with ``fallback_reason`` saying why. Every rank takes the same decision.
+``backend="auto"``: P2P when, on every rank, CUDA works, all ranks share one host, every pair of distinct GPUs
+has peer access and native P2P atomics, the workspace maps, and a live flag check over it passes between every
+pair of ranks; else the collective path, with ``fallback_reason`` saying why. Every rank takes the same decision.
+
+Several ranks may share one GPU (one process each, e.g. to exercise the kernels on a one-GPU machine): their
+buffers are mapped through CUDA IPC like any peer's, need no peer access, and the kernels' system-scope flags
+work on local memory; their kernels are time-sliced, so the waits progress slowly but within their bounds.
 
 Both backends return the same :class:`DispatchOutput` (same rows, order, padding, layout) and the same combine
 sums, bit for bit. Bad arguments raise ``ValueError``/``TypeError`` naming the argument on the rank that got
@@ -189,6 +193,8 @@ class MoEAllToAll:
         local = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
         me = self.device.index
         for peer, uuid in enumerate(uuids):
+            # A rank on this very GPU (ranks sharing a GPU) needs no peer access: its buffer is local memory,
+            # and the runtime's peer queries refuse the pair (d, d), which would wrongly rule P2P out.
             if peer == self.rank or uuid == uuids[self.rank]:
                 continue
             if uuid not in local:
@@ -241,6 +247,10 @@ class MoEAllToAll:
             except RuntimeError as exc:  # the workspace's failures are collective: every rank gets here
                 reason = f"the symmetric workspace could not be mapped: {exc}"
         if impl is not None:
+            # Every pair of ranks, those sharing a GPU included: for them the writer and the waiter are kernels
+            # of two processes on that one GPU, so the check runs there alone and proves what the all-to-all
+            # needs of such a pair (IPC mapping of local memory, system-scope flags between time-sliced
+            # contexts). It is not skipped: it is the only check such a pair gets.
             check = impl.live_check(min(_LIVE_CHECK_S, self.timeout_s))
             reason = _first(_gather(self.group, check))
             if reason is not None:

@@ -5,6 +5,9 @@ use: a kernel on the writer GPU stores a payload into the waiter GPU's memory an
 with a release atomic at system scope; a kernel on the waiter GPU waits for it with acquire loads, bounded
 by a wall-clock timeout. Nothing here can hang: the kernels bound their own waits, and the host bounds its
 wait for them too.
+
+A GPU paired with itself (several ranks, i.e. processes, sharing one GPU) needs no peer access and has no peer
+attributes; :func:`pair_attributes` and :func:`enable_peer_access` treat such a pair as capable as it is.
 """
 
 from __future__ import annotations
@@ -96,6 +99,11 @@ def pci_bus_id(device: int) -> str:
 
 
 def pair_attributes(device: int, peer: int) -> PairAttributes:
+    """What the runtime reports for ``device`` -> ``peer``. A GPU paired with itself (several ranks sharing one
+    GPU) uses its own memory: the runtime refuses peer queries for that pair (cudaErrorInvalidDevice, seen on an
+    H100) and none are needed, and device atomics on local memory are native, so it counts as fully capable."""
+    if device == peer:
+        return PairAttributes(True, True, True, 0)
     attrs = (_int * 4)()
     lib = _lib()
     check_launch(lib, lib.fim_probe_pair_attributes(device, peer, attrs), f"P2P attributes {device}->{peer}")
@@ -103,7 +111,13 @@ def pair_attributes(device: int, peer: int) -> PairAttributes:
 
 
 def enable_peer_access(device: int, peer: int) -> str | None:
-    """Lets kernels on ``device`` use ``peer``'s memory. Returns None, or the CUDA error's text."""
+    """Lets kernels on ``device`` use ``peer``'s memory. Returns None, or the CUDA error's text.
+
+    Nothing to do when ``device == peer``: local memory needs no peer access, and
+    ``cudaDeviceEnablePeerAccess(d, d)`` is an error (cudaErrorPeerAccessUnsupported, seen on an H100), not a
+    no-op; worse, the error stays in the runtime's last-error slot, where the next launch check would find it."""
+    if device == peer:
+        return None
     lib = _lib()
     status = lib.fim_probe_enable_peer_access(device, peer)
     return None if status == 0 else lib.fim_error_string(status).decode(errors="replace")
@@ -139,10 +153,11 @@ def live_flag_check(writer: int, waiter: int, timeout_s: float = 2.0, force: str
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     lib = _lib()
     _preload(writer, waiter)
-    if writer != waiter:
-        error = enable_peer_access(writer, waiter)
-        if error is not None:
-            return FlagCheck(writer, waiter, "ERROR", f"cudaDeviceEnablePeerAccess({writer} -> {waiter}): {error}")
+    # writer == waiter is a real check, not a skip: both kernels run on that GPU (on two streams, below), so it
+    # exercises the same system-scope release/acquire pair on local memory that ranks sharing a GPU rely on.
+    error = enable_peer_access(writer, waiter)
+    if error is not None:
+        return FlagCheck(writer, waiter, "ERROR", f"cudaDeviceEnablePeerAccess({writer} -> {waiter}): {error}")
     # [flag, payload, pad, pad, status, flag seen, payload seen, us waited]; zeros: nothing published yet
     buf = torch.zeros(8, dtype=torch.int32, device=f"cuda:{waiter}")
     token = int.from_bytes(os.urandom(4), "little") & 0x3FFFFFFF | 1
@@ -184,14 +199,16 @@ def pingpong_latency_us(a: int, b: int, rounds: int = 2000, timeout_s: float = 2
     for x, y in ((a, b), (b, a)):
         if enable_peer_access(x, y) is not None:
             return None
-    # per GPU: [my flag, pad, result int64 x3]; each side writes the other's flag
-    bufs = {d: torch.zeros(8, dtype=torch.int64, device=f"cuda:{d}") for d in (a, b)}
+    # per side: [my flag, pad, result int64 x3] on its GPU; each side writes the other's flag. Indexed by side,
+    # not by GPU: with a == b the two sides still need a buffer each.
+    bufs = [torch.zeros(8, dtype=torch.int64, device=f"cuda:{d}") for d in (a, b)]
     for d in (a, b):
         torch.cuda.synchronize(d)
     events = []
-    for me, peer, initiator in ((b, a, 0), (a, b, 1)):  # the responder first, so it is waiting
-        with torch.cuda.device(me):
-            stream = torch.cuda.Stream(me)
+    for me, peer, initiator in ((1, 0, 0), (0, 1, 1)):  # the responder (b) first, so it is waiting
+        device = (a, b)[me]
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)
             mine, theirs = bufs[me].data_ptr(), bufs[peer].data_ptr()
             status = lib.fim_probe_launch_pingpong(
                 mine, theirs, rounds, initiator, int(timeout_s * 1e9), mine + 16, stream.cuda_stream
@@ -202,7 +219,7 @@ def pingpong_latency_us(a: int, b: int, rounds: int = 2000, timeout_s: float = 2
             events.append(event)
     if not _wait_events(events, time.monotonic() + 2 * timeout_s + rounds * 1e-4 + _HOST_GRACE_S):
         return None
-    status, done, elapsed_ns = bufs[a][2:5].tolist()
+    status, done, elapsed_ns = bufs[0][2:5].tolist()
     if status != 0 or done != rounds:
         return None
     return elapsed_ns / 1e3 / (2 * rounds)

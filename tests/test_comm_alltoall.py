@@ -20,10 +20,13 @@ def _seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
 
-def _inputs(seed: int, world: int, tokens: list[int], kind: str, hidden: int, fp8: bool):
-    """Every rank's inputs from one seed, so that each rank can build the reference for all."""
+def _inputs(
+    seed: int, world: int, tokens: list[int], kind: str, hidden: int, fp8: bool, num_experts: int = NUM_EXPERTS
+):
+    """Every rank's inputs from one seed, so that each rank can build the reference for all. ``num_experts``
+    must be the communicator's (launch/a2a_shared_gpu.py builds one per world size)."""
     g = torch.Generator().manual_seed(seed)
-    per_rank = NUM_EXPERTS // world
+    per_rank = num_experts // world
     out = []
     for t in tokens:
         h = torch.randn(t, hidden, generator=g).to(torch.bfloat16)
@@ -31,7 +34,7 @@ def _inputs(seed: int, world: int, tokens: list[int], kind: str, hidden: int, fp
         if kind == "one_rank":  # every pair to the experts of the last rank
             ids = (world - 1) * per_rank + torch.rand(t, per_rank, generator=g).argsort(-1)[:, :TOP_K] % per_rank
         else:
-            ids = torch.rand(t, NUM_EXPERTS, generator=g).argsort(-1)[:, :TOP_K]
+            ids = torch.rand(t, num_experts, generator=g).argsort(-1)[:, :TOP_K]
             ids = torch.where(torch.rand(t, TOP_K, generator=g) < 0.2, -1, ids)  # some pairs nowhere
         weights = torch.rand(t, TOP_K, generator=g)
         scales = torch.rand(t, -(-hidden // GROUP), generator=g) + 0.5
@@ -56,7 +59,8 @@ def _expert_rows(x, ids, weights, first: int, per_rank: int) -> torch.Tensor:
 
 def _check_call(comm, rank, world, inputs, device, mode) -> None:
     """One dispatch + combine on ``comm``, every output compared exactly with the reference."""
-    per_rank, first = NUM_EXPERTS // world, rank * NUM_EXPERTS // world
+    per_rank = comm.experts_per_rank
+    first = rank * per_rank
     m = comm.max_tokens_per_rank
     h, ids, w, s = (t.to(device) for t in inputs[rank])
     got = comm.dispatch(h, ids, w, scales=s)
@@ -83,7 +87,7 @@ def _check_call(comm, rank, world, inputs, device, mode) -> None:
         assert torch.equal(got.layout.row_of.cpu(), want.row_of), f"rank {rank}: layout"
         assert torch.equal(got.tokens_per_expert.cpu(), want.tokens_per_expert), f"rank {rank}: tokens_per_expert"
         owned = want.source_of >= 0
-        src_rows = want.source_of[owned].long() // TOP_K
+        src_rows = want.source_of[owned].long() // comm.top_k
         flat = got.expert_hidden_states.reshape(-1, comm.hidden_size)
         assert torch.equal(_bits(flat[owned.to(flat.device)]), _bits(got.hidden_states.cpu()[src_rows]))
     else:

@@ -64,13 +64,21 @@ int fim_probe_pci_bus_id(int device, char* buf, int len) { return cudaDeviceGetP
 
 // attrs: [can_access_peer, access_supported, native_atomics, performance_rank]
 int fim_probe_pair_attributes(int device, int peer, int* attrs) {
+  // A refused query is returned, not left in the runtime's last-error slot, where the caller's next launch
+  // check would report it as that launch's failure.
   cudaError_t err = cudaDeviceCanAccessPeer(&attrs[0], device, peer);
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return err;
+  }
   const cudaDeviceP2PAttr kinds[3] = {cudaDevP2PAttrAccessSupported, cudaDevP2PAttrNativeAtomicSupported,
                                       cudaDevP2PAttrPerformanceRank};
   for (int i = 0; i < 3; ++i) {
     err = cudaDeviceGetP2PAttribute(&attrs[1 + i], kinds[i], device, peer);
-    if (err != cudaSuccess) return err;
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return err;
+    }
   }
   return cudaSuccess;
 }
@@ -83,10 +91,10 @@ int fim_probe_enable_peer_access(int device, int peer) {
   err = cudaSetDevice(device);
   if (err == cudaSuccess) {
     err = cudaDeviceEnablePeerAccess(peer, 0);
-    if (err == cudaErrorPeerAccessAlreadyEnabled) {
-      cudaGetLastError();  // not an error for us; clear it so it does not surface at the next call
-      err = cudaSuccess;
-    }
+    // Cleared either way: "already enabled" is no error for us, and a real failure is returned here rather
+    // than left to surface at the caller's next launch check.
+    if (err != cudaSuccess) cudaGetLastError();
+    if (err == cudaErrorPeerAccessAlreadyEnabled) err = cudaSuccess;
   }
   cudaSetDevice(previous);
   return err;
