@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the grouped-GEMM work: install, GPU tests, the config sweep and the benchmark.
 #
-#   bash launch/gemm_session.sh LOGDIR [tests|tune|bench|all ...]
+#   bash launch/gemm_session.sh LOGDIR [tests|tune|tune90|profile|ncu|bench|all ...]
 #
 # Optional environment: EXTRA_TESTS (more test files), PYTEST_K (a -k expression), TUNE_ARGS, BENCH_ARGS,
 # WHEELS (a folder of wheels to install first, default .dev/wheels), PREBUILT (a kernel cache to start from).
@@ -35,6 +35,25 @@ fi
 if has tune; then
   echo "=== tune ($(date -u +%T))"
   $PY launch/tune_gemm.py ${TUNE_ARGS:-} --json "$LOG/tune.json" 2>&1 | tee "$LOG/tune.txt"
+fi
+if has tune90; then
+  echo "=== CUTLASS config sweep ($(date -u +%T))"
+  $PY launch/tune_gemm_sm90.py --json "$LOG/tune_sm90.json" 2>&1 | tee "$LOG/tune_sm90.txt"
+fi
+if has profile; then
+  echo "=== group-count profile ($(date -u +%T))"
+  $PY launch/profile_gemm_sm90.py ${PROFILE_ARGS:-} --json "$LOG/profile.json" 2>&1 | tee "$LOG/profile.txt"
+fi
+# Hardware counters of single launches (NCU_CASES: "case:config ..."), where ncu can read them.
+if has ncu && command -v ncu >/dev/null; then
+  for c in ${NCU_CASES:-masked16:pingpong contiguous32:coop}; do
+    echo "=== ncu $c ($(date -u +%T))"
+    ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section Occupancy --section LaunchStats -k regex:device_kernel --launch-skip 2 --launch-count 1 \
+      $PY launch/profile_gemm_sm90.py --once "${c%%:*}" --config "${c##*:}" >"$LOG/ncu_${c/:/_}.txt" 2>&1
+    grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Registers|Shared Memory Config|Stall|Warp Cycles" \
+      "$LOG/ncu_${c/:/_}.txt" | head -20
+  done
 fi
 if has bench; then
   echo "=== bench ($(date -u +%T))"
