@@ -2,6 +2,11 @@
 
     python launch/profile_gemm_sm90.py [--json FILE] [--configs coop,pingpong,...]
     python launch/profile_gemm_sm90.py --once CASE --config NAME   # three launches, for ncu
+    python launch/profile_gemm_sm90.py --gemm1 [--json FILE]
+
+--gemm1: GEMM1 of a DeepSeek-V3 layer (FP8 block, SwiGLU, FP8 output; N = 2 x 2048, K = 7168) at several rows
+per expert, as the Triton kernel with the activation fused and as the CUTLASS GEMM plus the activation pass
+(``gemm_sm90.split_activation``), both timed in this run: where the split starts to pay.
 
 Contiguous: 16384 rows at (N, K) = (4096, 7168) as E groups of 16384 / E rows (E = 1 is one plain GEMM); the
 tiles and FLOPs stay the same, only the number of group changes per CTA grows with E. Masked: the 0.94 GB of
@@ -64,16 +69,56 @@ def masked_case(num_experts: int, per_expert: int, n: int, k: int, sets: int = 3
     return fn, 2.0 * num_experts * per_expert * n * k, num_experts * n * k
 
 
+def gemm1(json_path: Path | None) -> None:
+    import flashinfer_moe as fm
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    results = []
+    n, k, sets = 2 * 2048, 7168, 3
+    for num_experts, per_expert in ((256, 1), (256, 4), (256, 16), (256, 64), (256, 128), (64, 16), (64, 512)):
+        layout = _layout([per_expert] * num_experts)
+        a, a_s = _fp8_rows(num_experts * per_expert, k)
+        ws = [_fp8_weights(num_experts, n, k) for _ in range(sets if per_expert <= 64 else 1)]
+
+        def fn(i, ws=ws, a=a, a_s=a_s, layout=layout):
+            w, w_s = ws[i % len(ws)]
+            fm.grouped_gemm_fp8_block_contiguous(a, a_s, w, w_s, layout, activation="silu", quantize_output=True)
+
+        times = {}
+        saved = gemm_sm90.SPLIT_MIN_ROWS_PER_EXPERT
+        for name, threshold in (("fused_triton", 1 << 30), ("split_cutlass", 1)):
+            gemm_sm90.SPLIT_MIN_ROWS_PER_EXPERT = threshold
+            times[name] = time_graph(fn, calls=6)
+        gemm_sm90.SPLIT_MIN_ROWS_PER_EXPERT = saved
+        flops = 2.0 * num_experts * per_expert * n * k
+        row = dict(experts=num_experts, rows=per_expert, **{f"{k_}_us": v for k_, v in times.items()})
+        row["split_speedup"] = times["fused_triton"] / times["split_cutlass"]
+        results.append(row)
+        print(
+            f"GEMM1 E {num_experts:3d} x {per_expert:3d} rows: fused Triton {times['fused_triton']:8.1f} us "
+            f"({tflops(flops, times['fused_triton']):4.0f} TFLOP/s), CUTLASS + activation pass "
+            f"{times['split_cutlass']:8.1f} us ({tflops(flops, times['split_cutlass']):4.0f}), "
+            f"split / fused {row['split_speedup']:.2f}x",
+            flush=True,
+        )
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--configs", default=",".join(gemm_sm90.CONFIGS))
+    parser.add_argument("--gemm1", action="store_true")
     parser.add_argument("--once", choices=["contiguous32", "masked16", "masked64"])
     parser.add_argument("--config", default="coop")
     parser.add_argument("--swizzle", type=int, default=2)
     parser.add_argument("--raster", default="m")
     args = parser.parse_args()
     configs = args.configs.split(",")
+    if args.gemm1:
+        gemm1(args.json)
+        return
     if args.once:
         if args.once == "contiguous32":
             fn, _, _ = contiguous_case(32, 512, 4096, 7168)

@@ -82,14 +82,24 @@ def _gemm_cuda(
     num_experts, nw, k = w.shape
     n = nw // 2 if act else nw
     rows = a.shape[0]
-    if a_mode == A_GROUP and w_mode == W_BLOCK and not act and out_scale is None:
+    if a_mode == A_GROUP and w_mode == W_BLOCK:
         from . import gemm_sm90
 
-        if gemm_sm90.usable(a, w, out, a_scale, w_scale, n, k):
+        cap = None if offsets is not None else capacity
+        if not act and out_scale is None and gemm_sm90.usable(a, w, out, a_scale, w_scale, n, k):
             with on_device(a):
-                gemm_sm90.launch(
-                    a, a_scale, w, w_scale, out, counts, offsets, None if offsets is not None else capacity
-                )
+                gemm_sm90.launch(a, a_scale, w, w_scale, out, counts, offsets, cap)
+            return
+        split = act and n % 128 == 0 and gemm_sm90.split_activation(rows, num_experts, cap)
+        if split and gemm_sm90.usable(a, w, None, a_scale, w_scale, nw, k):
+            # GEMM1 at prefill sizes: the CUTLASS GEMM to bf16, then the activation (+ FP8) as its own pass,
+            # which costs less than the Triton kernel's slower mainloop.
+            from . import act_kernel
+
+            gate_up = torch.empty(rows, nw, dtype=torch.bfloat16, device=a.device)  # [R, 2I]
+            with on_device(a):
+                gemm_sm90.launch(a, a_scale, w, w_scale, gate_up, counts, offsets, cap)
+                act_kernel.launch(gate_up, out, out_scale, counts, offsets, cap, act, alpha, limit)
             return
     config = gemm_config.pick(a.dtype, a_mode, w_mode, act, out_scale is not None, rows, num_experts, capacity, n, k)
     with on_device(a):

@@ -78,14 +78,28 @@ def _sm_count(index: int) -> int:
 
 
 def usable(a, w, out, a_scale, w_scale, n: int, k: int) -> bool:
-    """Whether this kernel takes the call: sm_90, CUTLASS present, dense 16-byte-aligned operands."""
+    """Whether this kernel takes the call: sm_90, CUTLASS present, dense 16-byte-aligned operands (``out``
+    None: a bf16 buffer the caller makes)."""
     if envs.gemm_backend() == "triton" or not _device_ok(a.device.index) or n % 128 or k % 128:
         return False
-    if out.dtype != torch.bfloat16 or not all(t.is_contiguous() for t in (a, w, out, a_scale, w_scale)):
+    given = (a, w, a_scale, w_scale) + ((out,) if out is not None else ())
+    if (out is not None and out.dtype != torch.bfloat16) or not all(t.is_contiguous() for t in given):
         return False
-    if any(t.data_ptr() % 16 for t in (a, w, out)):
+    if any(t.data_ptr() % 16 for t in (a, w) + ((out,) if out is not None else ())):
         return False
     return _headers_found()
+
+
+# Rows per expert from which GEMM1 with a gated activation runs as this GEMM plus a separate activation pass
+# (moe/act_kernel.py) rather than the Triton kernel with the activation fused: measured on an H200
+# (launch/profile_gemm_sm90.py --gemm1, docs/perf.md). Below it the fused kernel's saved pass wins.
+SPLIT_MIN_ROWS_PER_EXPERT = 1
+
+
+def split_activation(rows: int, num_experts: int, capacity: int | None) -> bool:
+    """Whether GEMM1 with an activation takes the split path; static facts only (graph-safe)."""
+    per_expert = capacity if capacity is not None else -(-rows // max(num_experts, 1))
+    return per_expert >= SPLIT_MIN_ROWS_PER_EXPERT
 
 
 def pick(rows: int, num_experts: int, capacity: int | None, n: int, k: int) -> tuple[str, int, str]:

@@ -230,6 +230,70 @@ def test_fp8_block_default_is_cutlass_on_sm90_and_matches_triton(rng, monkeypatc
     assert rel_err(got, other) < 1e-2, seed
 
 
+@pytest.mark.parametrize("act", ["silu", "clamped_silu"])
+@pytest.mark.parametrize("quantize", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gemm1_split_on_sm90(rng, monkeypatch, act, quantize, masked):
+    """GEMM1 with an activation at prefill sizes: the CUTLASS GEMM, then the activation pass; the path is
+    checked to be taken, against the reference, with untouched padding, and under graph replay."""
+    gemm_sm90 = _cutlass()
+    from flashinfer_moe.moe import act_kernel
+
+    seed, g = rng
+    calls = []
+    real = act_kernel.launch
+    monkeypatch.setattr(act_kernel, "launch", lambda *args: calls.append(1) or real(*args))
+    num_experts, inter, k = 4, 256, 384
+    w, w_scale = make_weights("fp8_block", num_experts, 2 * inter, k, g, DEV)
+    if masked:
+        capacity = max(gemm_sm90.SPLIT_MIN_ROWS_PER_EXPERT, 128) + 3
+        counts = torch.tensor([capacity, 0, 1, 10 * capacity], dtype=torch.int32, device=DEV)
+        a, a_scale = make_activations("fp8_block", (num_experts, capacity), k, g, DEV)
+        clamped = counts.cpu().clamp(max=capacity)
+        offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
+        rows, shape = num_experts * capacity, (num_experts, capacity)
+        owned = owned_rows(clamped, offsets, rows)
+        want = reference(a.view(rows, k), a_scale.view(rows, -1), w, w_scale, clamped, offsets, act)
+
+        def run(out, out_scale):
+            kw = dict(out=(out, out_scale) if quantize else out)
+            return fm.grouped_gemm_fp8_block_masked(
+                a, a_scale, w, w_scale, counts, activation=act, quantize_output=quantize, **kw
+            )
+    else:
+        layout = contiguous_layout([300, 0, 1, 211], 128, DEV)  # 128-row padding after each expert
+        a, a_scale = make_activations("fp8_block", (layout.num_rows,), k, g, DEV)
+        rows, shape = layout.num_rows, (layout.num_rows,)
+        owned = owned_rows(layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu(), rows)
+        want = reference(a, a_scale, w, w_scale, layout.tokens_per_expert, layout.expert_offsets, act)
+
+        def run(out, out_scale):
+            kw = dict(out=(out, out_scale) if quantize else out)
+            return fm.grouped_gemm_fp8_block_contiguous(
+                a, a_scale, w, w_scale, layout, activation=act, quantize_output=quantize, **kw
+            )
+
+    out = _poisoned((*shape, inter), FP8 if quantize else torch.bfloat16)
+    out_scale = torch.full((*shape, inter // 128), float("nan"), device=DEV) if quantize else None
+    graph = torch.cuda.CUDAGraph()
+    run(out, out_scale)  # builds and warms up outside the capture
+    with torch.cuda.graph(graph):
+        run(out, out_scale)
+    assert calls, "GEMM1 with an activation did not take the split path"
+    for _ in range(2):
+        out.view(torch.uint8).fill_(0x7F) if quantize else out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.view(rows, inter).cpu()
+        if quantize:
+            got = ref.dequantize_fp8_per_token_group(got, out_scale.view(rows, -1).cpu())
+            poison = out.view(torch.uint8).view(rows, inter).cpu()[~owned] == 0x7F
+            assert poison.all() and out_scale.view(rows, -1).cpu()[~owned].isnan().all()
+        else:
+            assert got[~owned].isnan().all(), "rows of no expert must keep the poison"
+        assert rel_err(got[owned], want.cpu()[owned]) < (5e-2 if quantize else 2e-2), seed
+
+
 @pytest.mark.parametrize("config", CUTLASS_CONFIGS)
 def test_fp8_block_cutlass_graph_replay(rng, config, monkeypatch):
     gemm_sm90 = _cutlass()
