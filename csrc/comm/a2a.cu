@@ -552,6 +552,9 @@ int fim_a2a_preload() {
 
 int fim_a2a_dispatch_send(const Params* p, const void* hidden, const float* scales, const void* ids, int ids_64,
                           const float* weights, int num_tokens, int parts, int* send_slot, int grid, void* stream) {
+  // A token takes at most one slot per destination, so this bound keeps every row inside this rank's block of
+  // max_tokens rows in each peer's buffer; the callers check it too, the kernel trusts it.
+  if (num_tokens < 0 || num_tokens > p->max_tokens) return cudaErrorInvalidValue;
   fim::a2a::dispatch_send_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       *p, static_cast<const char*>(hidden), scales, ids, ids_64, weights, num_tokens, parts, send_slot);
   return cudaGetLastError();
