@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gemm import _fp8_rows, _fp8_weights, _layout, _scaled_mm, tflops  # noqa: E402
+from bench_gemm import _fp8_rows, _fp8_weights, _layout, tflops  # noqa: E402
 from timing import time_graph  # noqa: E402
+from tune_gemm_sm90 import contiguous_case, masked_case  # noqa: E402
 
 from flashinfer_moe.moe import gemm_sm90  # noqa: E402
 
-DEV = "cuda"
 CONTIGUOUS = tuple((e, 16384 // e, 4096, 7168) for e in (1, 4, 8, 32, 64))
 MASKED = ((32, 16, 4096, 7168), (8, 16, 16384, 7168), (32, 64, 4096, 7168), (8, 64, 16384, 7168))
 ORDERS = ((1, "m"), (2, "m"), (1, "n"))
@@ -40,33 +40,12 @@ def _call(fn, config, swizzle, raster, i):
     fn(i, config, swizzle, raster)
 
 
-def contiguous_case(num_experts: int, per_expert: int, n: int, k: int):
-    m = num_experts * per_expert
-    layout = _layout([per_expert] * num_experts)
-    a, a_s = _fp8_rows(m, k)
-    w, w_s = _fp8_weights(num_experts, n, k)
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
-    counts, offsets = layout.tokens_per_expert, layout.expert_offsets
-
-    def fn(i, config, swizzle, raster):
-        gemm_sm90.launch(a, a_s, w, w_s, out, counts, offsets, None, config, swizzle, raster)
-
-    b_dense = w.reshape(-1, k)[:n].t()
-    sa, sb = torch.rand(m, 1, device=DEV) + 0.5, torch.rand(1, n, device=DEV) + 0.5
-    return fn, (lambda i: _scaled_mm(a, b_dense, sa, sb)), 2.0 * m * n * k
-
-
-def masked_case(num_experts: int, per_expert: int, n: int, k: int, sets: int = 3):
-    ws = [_fp8_weights(num_experts, n, k) for _ in range(sets)]
-    a, a_s = _fp8_rows(num_experts * per_expert, k)
-    counts = torch.full((num_experts,), per_expert, dtype=torch.int32, device=DEV)
-    out = torch.empty(num_experts * per_expert, n, dtype=torch.bfloat16, device=DEV)
-
-    def fn(i, config, swizzle, raster):
-        w, w_s = ws[i % sets]
-        gemm_sm90.launch(a, a_s, w, w_s, out, counts, None, per_expert, config, swizzle, raster)
-
-    return fn, 2.0 * num_experts * per_expert * n * k, num_experts * n * k
+def _orders(fn, configs: list[str], calls: int):
+    """``(config, swizzle, raster, us)`` for each configuration and tile order of ``ORDERS``."""
+    for config in configs:
+        for swizzle, raster in ORDERS:
+            us = time_graph(functools.partial(_call, fn, config, swizzle, raster), calls=calls)
+            yield config, swizzle, raster, us
 
 
 def gemm1(json_path: Path | None) -> None:
@@ -134,44 +113,40 @@ def main() -> None:
         fn, dense_fn, flops = contiguous_case(*shape)
         dense = time_graph(dense_fn, calls=5)
         line = [f"contiguous {shape[0]:2d} x {shape[1]:5d}: dense {tflops(flops, dense):5.0f}"]
-        for config in configs:
-            for swizzle, raster in ORDERS:
-                us = time_graph(functools.partial(_call, fn, config, swizzle, raster), calls=5)
-                results.append(
-                    dict(
-                        case="contiguous",
-                        shape=shape,
-                        config=config,
-                        swizzle=swizzle,
-                        raster=raster,
-                        us=us,
-                        tflops=tflops(flops, us),
-                        vs_dense=dense / us,
-                    )
+        for config, swizzle, raster, us in _orders(fn, configs, calls=5):
+            results.append(
+                dict(
+                    case="contiguous",
+                    shape=shape,
+                    config=config,
+                    swizzle=swizzle,
+                    raster=raster,
+                    us=us,
+                    tflops=tflops(flops, us),
+                    vs_dense=dense / us,
                 )
-                line.append(f"{config}/{swizzle}{raster} {dense / us:.3f}")
+            )
+            line.append(f"{config}/{swizzle}{raster} {dense / us:.3f}")
         print("  ".join(line), flush=True)
         torch.cuda.empty_cache()
     for shape in MASKED:
         fn, flops, weight_bytes = masked_case(*shape)
         line = [f"masked {shape[0]:2d} x {shape[1]:3d} N {shape[2]:5d}:"]
-        for config in configs:
-            for swizzle, raster in ORDERS:
-                us = time_graph(functools.partial(_call, fn, config, swizzle, raster), calls=6)
-                tb_s = weight_bytes / (us * 1e-6) / 1e12
-                results.append(
-                    dict(
-                        case="masked",
-                        shape=shape,
-                        config=config,
-                        swizzle=swizzle,
-                        raster=raster,
-                        us=us,
-                        tflops=tflops(flops, us),
-                        weight_tb_s=tb_s,
-                    )
+        for config, swizzle, raster, us in _orders(fn, configs, calls=6):
+            tb_s = weight_bytes / (us * 1e-6) / 1e12
+            results.append(
+                dict(
+                    case="masked",
+                    shape=shape,
+                    config=config,
+                    swizzle=swizzle,
+                    raster=raster,
+                    us=us,
+                    tflops=tflops(flops, us),
+                    weight_tb_s=tb_s,
                 )
-                line.append(f"{config}/{swizzle}{raster} {tb_s:.2f} TB/s")
+            )
+            line.append(f"{config}/{swizzle}{raster} {tb_s:.2f} TB/s")
         print("  ".join(line), flush=True)
         torch.cuda.empty_cache()
     if args.json:

@@ -28,6 +28,39 @@ CONTIGUOUS = ((8, 4096, 4096, 7168), (8, 4096, 7168, 2048), (32, 512, 4096, 7168
 MASKED = ((32, 16, 4096, 7168), (32, 64, 4096, 7168), (32, 128, 4096, 7168))
 
 
+def contiguous_case(num_experts: int, per_expert: int, n: int, k: int):
+    """``(fn(i, config, swizzle, raster), dense_fn(i), flops)`` of one contiguous shape; ``dense_fn`` is the
+    rowwise ``_scaled_mm`` of the same FLOPs."""
+    m = num_experts * per_expert
+    layout = _layout([per_expert] * num_experts)
+    a, a_s = _fp8_rows(m, k)
+    w, w_s = _fp8_weights(num_experts, n, k)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
+    counts, offsets = layout.tokens_per_expert, layout.expert_offsets
+
+    def fn(i, config, swizzle, raster):
+        gemm_sm90.launch(a, a_s, w, w_s, out, counts, offsets, None, config, swizzle, raster)
+
+    b_dense = w.reshape(-1, k)[:n].t()
+    sa, sb = torch.rand(m, 1, device=DEV) + 0.5, torch.rand(1, n, device=DEV) + 0.5
+    return fn, (lambda i: _scaled_mm(a, b_dense, sa, sb)), 2.0 * m * n * k
+
+
+def masked_case(num_experts: int, per_expert: int, n: int, k: int, sets: int = 3):
+    """``(fn(i, config, swizzle, raster), flops, weight bytes)`` of one masked shape, every slot used; call i
+    reads weight set i % sets, so that no weight stays in L2 between calls."""
+    ws = [_fp8_weights(num_experts, n, k) for _ in range(sets)]
+    a, a_s = _fp8_rows(num_experts * per_expert, k)
+    counts = torch.full((num_experts,), per_expert, dtype=torch.int32, device=DEV)
+    out = torch.empty(num_experts * per_expert, n, dtype=torch.bfloat16, device=DEV)
+
+    def fn(i, config, swizzle, raster):
+        w, w_s = ws[i % sets]
+        gemm_sm90.launch(a, a_s, w, w_s, out, counts, None, per_expert, config, swizzle, raster)
+
+    return fn, 2.0 * num_experts * per_expert * n * k, num_experts * n * k
+
+
 def sweep(fn, flops: float, weight_bytes: int) -> list[dict]:
     rows = []
     for config in gemm_sm90.CONFIGS:
@@ -54,20 +87,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     results = []
     for num_experts, per_expert, n, k in CONTIGUOUS:
-        m = num_experts * per_expert
-        layout = _layout([per_expert] * num_experts)
-        a, a_s = _fp8_rows(m, k)
-        w, w_s = _fp8_weights(num_experts, n, k)
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
-        counts, offsets = layout.tokens_per_expert, layout.expert_offsets
-
-        def fn(i, config, swizzle, raster):
-            gemm_sm90.launch(a, a_s, w, w_s, out, counts, offsets, None, config, swizzle, raster)
-
-        flops = 2.0 * m * n * k
-        b_dense = w.reshape(-1, k)[:n].t()
-        sa, sb = torch.rand(m, 1, device=DEV) + 0.5, torch.rand(1, n, device=DEV) + 0.5
-        dense = time_graph(lambda i: _scaled_mm(a, b_dense, sa, sb), calls=5)
+        fn, dense_fn, flops = contiguous_case(num_experts, per_expert, n, k)
+        dense = time_graph(dense_fn, calls=5)
         rows = sweep(fn, flops, num_experts * n * k)
         for r in rows:
             r["vs_dense"] = dense / r["us"]
@@ -81,19 +102,9 @@ def main() -> None:
                 f"{r['vs_dense']:.3f}x dense",
                 flush=True,
             )
-    sets = 3
     for num_experts, per_expert, n, k in MASKED:
-        ws = [_fp8_weights(num_experts, n, k) for _ in range(sets)]
-        a, a_s = _fp8_rows(num_experts * per_expert, k)
-        counts = torch.full((num_experts,), per_expert, dtype=torch.int32, device=DEV)
-        out = torch.empty(num_experts * per_expert, n, dtype=torch.bfloat16, device=DEV)
-
-        def fn(i, config, swizzle, raster):
-            w, w_s = ws[i % sets]
-            gemm_sm90.launch(a, a_s, w, w_s, out, counts, None, per_expert, config, swizzle, raster)
-
-        flops = 2.0 * num_experts * per_expert * n * k
-        rows = sweep(fn, flops, num_experts * n * k)
+        fn, flops, weight_bytes = masked_case(num_experts, per_expert, n, k)
+        rows = sweep(fn, flops, weight_bytes)
         results.append(dict(layout="masked", experts=num_experts, rows=per_expert, n=n, k=k, sweep=rows))
         print(f"masked {num_experts}x{per_expert} ({n}, {k})", flush=True)
         for r in rows[:6]:

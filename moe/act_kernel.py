@@ -11,13 +11,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemm_kernel import ACT_CLAMPED_SILU, ACT_SILU, FLT_MAX, FP8_MAX, MIN_SCALE, SCALE_BLOCK
+# The activation and the scale rule are the GEMM epilogue's own functions, so the two paths cannot drift.
+from .gemm_kernel import FP8_MAX, SCALE_BLOCK, fp8_group_scale, gated_activation
 
-_ACT_SILU = tl.constexpr(ACT_SILU)
-_ACT_CLAMPED_SILU = tl.constexpr(ACT_CLAMPED_SILU)
 _FP8_MAX = tl.constexpr(FP8_MAX)
-_MIN_SCALE = tl.constexpr(MIN_SCALE)
-_FLT_MAX = tl.constexpr(FLT_MAX)
 _GROUP = tl.constexpr(SCALE_BLOCK)
 
 
@@ -62,16 +59,10 @@ def gated_act_kernel(
     mask = owned[:, None] & (offs_n[None, :] < N)
     gate = tl.load(x_ptr + r64[:, None] * stride_x + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + r64[:, None] * stride_x + (N + offs_n)[None, :], mask=mask, other=0.0).to(tl.float32)
-    if ACT == _ACT_SILU:
-        y = gate / (1.0 + tl.exp(-gate)) * up
-    else:
-        g = tl.minimum(gate, limit)
-        u = tl.minimum(tl.maximum(up, -limit), limit)
-        y = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+    y = gated_activation(gate, up, alpha, limit, ACT)
     if QUANT_OUT:
         amax = tl.max(tl.abs(y), 1)  # [BLOCK_R]
-        scale = tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
-        inv = tl.minimum(tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), _FLT_MAX)
+        scale, inv = fp8_group_scale(amax)
         q = tl.minimum(tl.maximum(y * inv[:, None], -_FP8_MAX), _FP8_MAX)
         tl.store(out_ptr + r64[:, None] * stride_o + offs_n[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_scale_ptr + r64 * stride_os + pid_g, scale, mask=owned)

@@ -92,8 +92,8 @@ def _gemm_cuda(
             return
         split = act and n % 128 == 0 and gemm_sm90.split_activation(rows, num_experts, cap)
         if split and gemm_sm90.usable(a, w, None, a_scale, w_scale, nw, k):
-            # GEMM1 at prefill sizes: the CUTLASS GEMM to bf16, then the activation (+ FP8) as its own pass,
-            # which costs less than the Triton kernel's slower mainloop.
+            # GEMM1: the CUTLASS GEMM to bf16, then the activation (+ FP8) as its own pass; the extra bf16 round
+            # trip costs less than the Triton kernel's slower mainloop (docs/perf.md).
             from . import act_kernel
 
             gate_up = torch.empty(rows, nw, dtype=torch.bfloat16, device=a.device)  # [R, 2I]

@@ -38,11 +38,31 @@ _WSCALE_EXPERT = tl.constexpr(WSCALE_EXPERT)
 _WSCALE_BLOCK = tl.constexpr(WSCALE_BLOCK)
 _ACT_NONE = tl.constexpr(ACT_NONE)
 _ACT_SILU = tl.constexpr(ACT_SILU)
-_ACT_CLAMPED_SILU = tl.constexpr(ACT_CLAMPED_SILU)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
 _FLT_MAX = tl.constexpr(FLT_MAX)
 _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
+
+
+@triton.jit
+def gated_activation(gate, up, alpha, limit, ACT: tl.constexpr):
+    """``silu(gate) * up`` (ACT_SILU) or gpt-oss's clamped form (ACT_CLAMPED_SILU), in fp32."""
+    if ACT == _ACT_SILU:
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        y = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+    return y
+
+
+@triton.jit
+def fp8_group_scale(amax):
+    """``(scale, 1 / scale)`` of a group from its amax, as quantize_fp8_per_token_group computes them:
+    scale = max(amax / 448, 2**-126), the reciprocal correctly rounded and finite."""
+    scale = tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
+    inv = tl.minimum(tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), _FLT_MAX)
+    return scale, inv
 
 
 @triton.jit
@@ -205,12 +225,8 @@ def grouped_gemm_kernel(
         if ACT != _ACT_NONE:
             acc_up *= s
 
-    if ACT == _ACT_SILU:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if ACT == _ACT_CLAMPED_SILU:
-        gate = tl.minimum(acc, limit)
-        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-        acc = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+    if ACT != _ACT_NONE:
+        acc = gated_activation(acc, acc_up, alpha, limit, ACT)
 
     out_rows = (row0 + offs_m).to(tl.int64)
     store_mask = (offs_m[:, None] < rows) & (offs_n[None, :] < N)
@@ -219,8 +235,7 @@ def grouped_gemm_kernel(
         # convention as quantize_fp8_per_token_group: scale = max(amax / 448, 2**-126), q = x * (1 / scale).
         groups: tl.constexpr = BLOCK_N // _SCALE_BLOCK
         amax = tl.max(tl.abs(tl.reshape(acc, (BLOCK_M, groups, _SCALE_BLOCK))), 2)  # [BLOCK_M, groups]
-        scale = tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
-        inv = tl.minimum(tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), _FLT_MAX)
+        scale, inv = fp8_group_scale(amax)
         q = tl.reshape(acc, (BLOCK_M, groups, _SCALE_BLOCK)) * inv[:, :, None]
         q = tl.reshape(tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX), (BLOCK_M, BLOCK_N))
         tl.store(

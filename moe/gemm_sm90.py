@@ -1,9 +1,10 @@
 """The Hopper FP8 block-scaled grouped GEMM built on CUTLASS (``csrc/gemm/sm90_fp8_block_grouped*.cu``).
 
-It serves the plain block-scaled GEMM (bf16 output, no fused activation) on sm_90 GPUs, where it overlaps the
-per-128 scale promotion with the tensor cores better than the Triton kernel can; everything else, and every
-other GPU, stays on the Triton kernel (``moe/gemm_kernel.py``). ``FLASHINFER_MOE_GEMM_BACKEND=triton`` turns
-it off. Dimension legend as in ``moe/gemm.py``.
+It serves the block-scaled GEMM on sm_90 GPUs, where it overlaps the per-128 scale promotion with the tensor
+cores better than the Triton kernel can: with bf16 output directly, and with a gated activation (GEMM1) as a
+bf16 GEMM followed by ``moe/act_kernel.py``. Everything else, and every other GPU, stays on the Triton kernel
+(``moe/gemm_kernel.py``). ``FLASHINFER_MOE_GEMM_BACKEND=triton`` turns it off. Dimension legend as in
+``moe/gemm.py``.
 """
 
 from __future__ import annotations
@@ -82,29 +83,34 @@ def usable(a, w, out, a_scale, w_scale, n: int, k: int) -> bool:
     None: a bf16 buffer the caller makes)."""
     if envs.gemm_backend() == "triton" or not _device_ok(a.device.index) or n % 128 or k % 128:
         return False
-    given = (a, w, a_scale, w_scale) + ((out,) if out is not None else ())
-    if (out is not None and out.dtype != torch.bfloat16) or not all(t.is_contiguous() for t in given):
+    if out is not None and out.dtype != torch.bfloat16:
         return False
-    if any(t.data_ptr() % 16 for t in (a, w) + ((out,) if out is not None else ())):
+    if not all(t.is_contiguous() for t in (a, w, a_scale, w_scale, out) if t is not None):
+        return False
+    if any(t.data_ptr() % 16 for t in (a, w, out) if t is not None):
         return False
     return _headers_found()
 
 
 # Rows per expert from which GEMM1 with a gated activation runs as this GEMM plus a separate activation pass
 # (moe/act_kernel.py) rather than the Triton kernel with the activation fused: measured on an H200
-# (launch/profile_gemm_sm90.py --gemm1, docs/perf.md). Below it the fused kernel's saved pass wins.
+# (launch/profile_gemm_sm90.py --gemm1, docs/perf.md): the split won at every size measured, down to one row.
 SPLIT_MIN_ROWS_PER_EXPERT = 1
+
+
+def _rows_per_expert(rows: int, num_experts: int, capacity: int | None) -> int:
+    """The masked capacity, or the contiguous layout's mean rows per expert (rounded up)."""
+    return capacity if capacity is not None else -(-rows // max(num_experts, 1))
 
 
 def split_activation(rows: int, num_experts: int, capacity: int | None) -> bool:
     """Whether GEMM1 with an activation takes the split path; static facts only (graph-safe)."""
-    per_expert = capacity if capacity is not None else -(-rows // max(num_experts, 1))
-    return per_expert >= SPLIT_MIN_ROWS_PER_EXPERT
+    return _rows_per_expert(rows, num_experts, capacity) >= SPLIT_MIN_ROWS_PER_EXPERT
 
 
 def pick(rows: int, num_experts: int, capacity: int | None, n: int, k: int) -> tuple[str, int, str]:
     """``(config, swizzle, raster)`` for a shape; static facts only, so a captured graph replays what it captured."""
-    per_expert = capacity if capacity is not None else -(-rows // max(num_experts, 1))
+    per_expert = _rows_per_expert(rows, num_experts, capacity)
     # From launch/tune_gemm_sm90.py on an H200 (docs/perf.md); neighbours in that sweep were within ~2 %.
     if per_expert <= 64:  # weight-bandwidth bound: the smaller tile wastes fewer rows
         return "pingpong", 2, "m"
