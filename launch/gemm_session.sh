@@ -3,7 +3,7 @@
 #
 #   bash launch/gemm_session.sh LOGDIR [tests|tune|tune90|profile|ncu|bench|all ...]
 #
-# Optional environment: EXTRA_TESTS (more test files), PYTEST_K (a -k expression), TUNE_ARGS, BENCH_ARGS,
+# Optional environment: EXTRA_TESTS (more test files), PYTEST_K (a -k expression), TUNE_ARGS, TUNE90_ARGS, BENCH_ARGS,
 # WHEELS (a folder of wheels to install first, default .dev/wheels), PREBUILT (a kernel cache to start from).
 set -uo pipefail
 LOG=${1:?usage: gemm_session.sh LOGDIR [steps]}
@@ -38,7 +38,7 @@ if has tune; then
 fi
 if has tune90; then
   echo "=== CUTLASS config sweep ($(date -u +%T))"
-  $PY launch/tune_gemm_sm90.py --json "$LOG/tune_sm90.json" 2>&1 | tee "$LOG/tune_sm90.txt"
+  $PY launch/tune_gemm_sm90.py ${TUNE90_ARGS:-} --json "$LOG/tune_sm90.json" 2>&1 | tee "$LOG/tune_sm90.txt"
 fi
 if has profile; then
   echo "=== group-count profile ($(date -u +%T))"

@@ -1,6 +1,6 @@
 """Sweep of the CUTLASS FP8 block-scaled grouped GEMM's configurations and tile orders on the benchmark shapes.
 
-    python launch/tune_gemm_sm90.py [--json FILE]
+    python launch/tune_gemm_sm90.py [--json FILE] [--configs wg128,coop,...]
 
 For every shape of ``bench_gemm.py``'s contiguous and masked tables, times each configuration of
 ``flashinfer_moe.moe.gemm_sm90.CONFIGS`` with each swizzle (1, 2, 4, 8) and raster order (m, n), plus the dense
@@ -61,9 +61,9 @@ def masked_case(num_experts: int, per_expert: int, n: int, k: int, sets: int = 3
     return fn, 2.0 * num_experts * per_expert * n * k, num_experts * n * k
 
 
-def sweep(fn, flops: float, weight_bytes: int) -> list[dict]:
+def sweep(fn, flops: float, weight_bytes: int, configs: list[str]) -> list[dict]:
     rows = []
-    for config in gemm_sm90.CONFIGS:
+    for config in configs:
         for swizzle in (1, 2, 4, 8):
             for raster in ("m", "n"):
                 us = time_graph(lambda i: fn(i, config, swizzle, raster), calls=5)
@@ -80,23 +80,35 @@ def sweep(fn, flops: float, weight_bytes: int) -> list[dict]:
     return sorted(rows, key=lambda r: r["us"])
 
 
+def _best_per_config(rows: list[dict]) -> list[dict]:
+    """The fastest tile order of each configuration, fastest first (``rows`` is sorted)."""
+    seen, best = set(), []
+    for r in rows:
+        if r["config"] not in seen:
+            seen.add(r["config"])
+            best.append(r)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--configs", default=",".join(gemm_sm90.CONFIGS))
     args = parser.parse_args()
+    configs = args.configs.split(",")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     results = []
     for num_experts, per_expert, n, k in CONTIGUOUS:
         fn, dense_fn, flops = contiguous_case(num_experts, per_expert, n, k)
         dense = time_graph(dense_fn, calls=5)
-        rows = sweep(fn, flops, num_experts * n * k)
+        rows = sweep(fn, flops, num_experts * n * k, configs)
         for r in rows:
             r["vs_dense"] = dense / r["us"]
         results.append(
             dict(layout="contiguous", experts=num_experts, rows=per_expert, n=n, k=k, dense_us=dense, sweep=rows)
         )
         print(f"contiguous {num_experts}x{per_expert} ({n}, {k}): dense {tflops(flops, dense):.0f} TFLOP/s", flush=True)
-        for r in rows[:6]:
+        for r in _best_per_config(rows):
             print(
                 f"   {r['config']:9s} swizzle {r['swizzle']} raster {r['raster']}: {r['tflops']:.0f} TFLOP/s, "
                 f"{r['vs_dense']:.3f}x dense",
@@ -104,10 +116,10 @@ def main() -> None:
             )
     for num_experts, per_expert, n, k in MASKED:
         fn, flops, weight_bytes = masked_case(num_experts, per_expert, n, k)
-        rows = sweep(fn, flops, weight_bytes)
+        rows = sweep(fn, flops, weight_bytes, configs)
         results.append(dict(layout="masked", experts=num_experts, rows=per_expert, n=n, k=k, sweep=rows))
         print(f"masked {num_experts}x{per_expert} ({n}, {k})", flush=True)
-        for r in rows[:6]:
+        for r in _best_per_config(rows):
             print(
                 f"   {r['config']:9s} swizzle {r['swizzle']} raster {r['raster']}: {r['weight_tb_s']:.2f} TB/s, "
                 f"{r['tflops']:.0f} TFLOP/s",

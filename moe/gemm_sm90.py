@@ -1,4 +1,5 @@
-"""The Hopper FP8 block-scaled grouped GEMM built on CUTLASS (``csrc/gemm/sm90_fp8_block_grouped*.cu``).
+"""The Hopper FP8 block-scaled grouped GEMMs: CUTLASS's (``csrc/gemm/sm90_fp8_block_grouped*.cu``) and our own
+wgmma kernel (``csrc/gemm/sm90_fp8_block_wgmma.cu``), which promotes one K block behind its wgmma.
 
 It serves the block-scaled GEMM on sm_90 GPUs, where it overlaps the per-128 scale promotion with the tensor
 cores better than the Triton kernel can: with bf16 output directly, and with a gated activation (GEMM1) as a
@@ -38,13 +39,25 @@ SPEC = register(
     )
 )
 
-# coop: 128x128 tiles, both consumer warpgroups on one tile; pingpong: 64x128 tiles, one per warpgroup;
-# coop_n2: coop in clusters of two CTAs sharing the activation tile (TMA multicast).
-CONFIGS = ("coop", "pingpong", "coop_n2")
+WGMMA_SPEC = register(
+    KernelSpec(
+        "gemm_sm90_wgmma",
+        ("gemm/sm90_fp8_block_wgmma.cu", "gemm/sm90_common.cu"),
+        archs=("90a",),
+    )
+)
+
+# CUTLASS: coop: 128x128 tiles, both consumer warpgroups on one tile; pingpong: 64x128 tiles, one per
+# warpgroup; coop_n2: coop in clusters of two CTAs sharing the activation tile (TMA multicast).
+CUTLASS_CONFIGS = ("coop", "pingpong", "coop_n2")
+# Ours: 128x128 tiles (the warpgroups split the rows), 64x256 (they split the columns) and 128x256 (rows; each
+# warpgroup runs its two 128-column halves in turn).
+WGMMA_CONFIGS = {"wg128": "m128n128", "wg64": "m64n256", "wg128w": "m128n256"}
+CONFIGS = (*CUTLASS_CONFIGS, *WGMMA_CONFIGS)
 
 _vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {}
-for _name in CONFIGS:
+for _name in CUTLASS_CONFIGS:
     _SIGNATURES[f"fim_sm90_fp8_block_grouped_{_name}"] = (
         [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _int, _int, _int, _int, _int, _int, _vp, _i64, _int, _vp],
         _int,
@@ -52,8 +65,21 @@ for _name in CONFIGS:
     _SIGNATURES[f"fim_sm90_fp8_block_grouped_{_name}_workspace"] = ([_int, _int], _i64)
 
 
+_WGMMA_SIGNATURES = {
+    f"fim_sm90_fp8_block_wgmma_{_suffix}": (
+        [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _int, _int, _int, _int, _int, _int, _int, _int, _vp],
+        _int,
+    )
+    for _suffix in WGMMA_CONFIGS.values()
+}
+
+
 def _lib() -> ctypes.CDLL:
     return kernel_library("gemm_sm90", _SIGNATURES)
+
+
+def _wgmma_lib() -> ctypes.CDLL:
+    return kernel_library("gemm_sm90_wgmma", _WGMMA_SIGNATURES)
 
 
 @functools.cache
@@ -108,14 +134,31 @@ def split_activation(rows: int, num_experts: int, capacity: int | None) -> bool:
     return _rows_per_expert(rows, num_experts, capacity) >= SPLIT_MIN_ROWS_PER_EXPERT
 
 
+# Most experts the wgmma kernel takes (its per-expert tables live in shared memory).
+WGMMA_MAX_EXPERTS = 1024
+
+# Each configuration's best tile order on the benchmark shapes (launch/tune_gemm_sm90.py, docs/perf.md).
+DEFAULT_ORDERS = {
+    "coop": (2, "m"),
+    "pingpong": (2, "m"),
+    "coop_n2": (1, "n"),
+    "wg128": (4, "m"),  # never the fastest on the benchmark shapes; kept for the sweeps
+    "wg64": (4, "n"),
+    "wg128w": (1, "m"),
+}
+
+
 def pick(rows: int, num_experts: int, capacity: int | None, n: int, k: int) -> tuple[str, int, str]:
     """``(config, swizzle, raster)`` for a shape; static facts only, so a captured graph replays what it captured."""
     per_expert = _rows_per_expert(rows, num_experts, capacity)
     # From launch/tune_gemm_sm90.py on an H200 (docs/perf.md); neighbours in that sweep were within ~2 %.
-    if per_expert <= 64:  # weight-bandwidth bound: the smaller tile wastes fewer rows
-        return "pingpong", 2, "m"
+    ours = num_experts <= WGMMA_MAX_EXPERTS
+    if per_expert <= 64:  # weight-bandwidth bound: 64-row tiles waste fewer rows, 256 columns stream more
+        return ("wg64", *DEFAULT_ORDERS["wg64"]) if ours else ("pingpong", 2, "m")
     if per_expert <= 128:
-        return "coop", 1, "n"
+        # Measured on the masked layout only (every slot used); contiguous groups of this mean size vary
+        # around it and keep the CUTLASS kernel.
+        return ("wg128w", *DEFAULT_ORDERS["wg128w"]) if ours and capacity is not None else ("coop", 1, "n")
     if n >= 2 * k:
         return "coop_n2", 1, "n"
     return "coop", 2, "m"
@@ -159,9 +202,33 @@ def launch(
         raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
     if swizzle not in (1, 2, 4, 8) or raster not in RASTERS:
         raise ValueError(f"swizzle must be 1, 2, 4 or 8 and raster one of {list(RASTERS)}, got {swizzle}, {raster!r}")
-    lib = _lib()
     index = a.device.index
     sms = _sm_count(index)
+    if config in WGMMA_CONFIGS:
+        lib = _wgmma_lib()
+        if num_experts > 1024:
+            raise ValueError(f"the wgmma kernel takes at most 1024 experts, got {num_experts}")
+        status = getattr(lib, f"fim_sm90_fp8_block_wgmma_{WGMMA_CONFIGS[config]}")(
+            a.data_ptr(),
+            a_scale.data_ptr(),
+            w.data_ptr(),
+            w_scale.data_ptr(),
+            out.data_ptr(),
+            counts.data_ptr(),
+            None if offsets is None else offsets.data_ptr(),
+            0 if capacity is None else capacity,
+            num_experts,
+            a.shape[0],
+            n,
+            k,
+            swizzle,
+            RASTERS[raster],
+            sms,
+            stream_of(a),
+        )
+        check_launch(lib, status, f"grouped GEMM (wgmma {config}, E={num_experts}, N={n}, K={k})")
+        return
+    lib = _lib()
     size = getattr(lib, f"fim_sm90_fp8_block_grouped_{config}_workspace")(num_experts, sms)
     if size <= 0:
         raise RuntimeError(f"grouped GEMM workspace query failed for E = {num_experts}")

@@ -333,3 +333,28 @@ def test_fused_moe_bad_input(generator):
         ValueError,
         "activation",
     )
+
+
+# ------------------------------------------------------------------ Hopper kernel choice (static, no GPU needed)
+
+
+@pytest.mark.parametrize(
+    "rows, experts, capacity, n, k, want",
+    [
+        (32 * 16, 32, 16, 4096, 7168, "wg64"),  # masked decode
+        (256 * 4, 256, None, 4096, 7168, "wg64"),  # contiguous, few rows per expert
+        (32 * 128, 32, 128, 4096, 7168, "wg128w"),  # masked, 128 rows
+        (32 * 128, 32, None, 4096, 7168, "coop"),  # contiguous of the same mean size
+        (32 * 512, 32, None, 4096, 7168, "coop"),
+        (8 * 4096, 8, None, 7168, 2048, "coop_n2"),
+        (2048 * 16, 2048, 16, 4096, 7168, "pingpong"),  # more experts than the wgmma kernel's tables hold
+    ],
+)
+def test_sm90_pick(rows, experts, capacity, n, k, want):
+    from flashinfer_moe.moe import gemm_sm90
+
+    config, swizzle, raster = gemm_sm90.pick(rows, experts, capacity, n, k)
+    assert config == want
+    assert config in gemm_sm90.CONFIGS and swizzle in (1, 2, 4, 8) and raster in gemm_sm90.RASTERS
+    for name, (swizzle, raster) in gemm_sm90.DEFAULT_ORDERS.items():
+        assert name in gemm_sm90.CONFIGS and swizzle in (1, 2, 4, 8) and raster in gemm_sm90.RASTERS

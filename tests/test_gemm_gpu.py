@@ -176,7 +176,9 @@ def _cutlass():
 
 @pytest.mark.parametrize("config", CUTLASS_CONFIGS)
 @pytest.mark.parametrize("block_rows", [1, 128])
-@pytest.mark.parametrize("counts, n, k", [([0, 1, 127, 64, 300], 384, 640), ([129, 0, 0, 2], 256, 7168)])
+@pytest.mark.parametrize(
+    "counts, n, k", [([0, 1, 127, 64, 300], 384, 640), ([129, 0, 0, 2], 256, 7168), ([5, 0, 130], 128, 128)]
+)
 def test_fp8_block_cutlass_contiguous(rng, config, block_rows, counts, n, k):
     gemm_sm90 = _cutlass()
     seed, g = rng
@@ -383,4 +385,5 @@ def test_fused_moe_graph_capture(rng):
         graph.replay()
         weights, ids = fm.route(logits, top_k)
         want = ref.fused_moe(x, w13, w2, weights, ids, **kw)
-        assert rel_err(out, want) < 2e-2, seed
+        # FP8 GEMM2 inputs quantized from each side's own GEMM1 output: the bound of test_fused_moe.
+        assert rel_err(out, want) < 3e-2, seed

@@ -1,0 +1,544 @@
+// Hopper FP8 block-scaled grouped GEMM written directly in wgmma, TMA and mbarrier PTX (no CUTLASS).
+//
+//   out[rows of e] = (A[rows of e] * sa) @ (W[e] * sw)^T
+//   A  [R, K] e4m3, row-major; sa [R, K / 128] fp32 (K-major)
+//   W  [E, N, K] e4m3 (K-major); sw [E, N / 128, K / 128] fp32 (K-major)
+//   out [R, N] bf16; rows that belong to no expert are never written
+//
+// Why a second kernel beside the CUTLASS one: its tiles are wider per warpgroup. Block scaling forces a
+// promotion (scale and add into an fp32 accumulator) after every 128-deep K block, so a warpgroup holds the
+// promoted accumulator and the wgmma accumulator in registers at once; CUTLASS's blockwise kernels stop at
+// 64 x 128 per warpgroup. Here a warpgroup can own 64 x 256 and run it as two 128-column halves through one
+// wgmma accumulator, which halves the shared-memory stages' activation bytes per FLOP and doubles the weight
+// bytes in flight per stage (what decode, bound by weight bandwidth, needs).
+//
+// Structure: a persistent grid (one CTA per SM), three warpgroups per CTA. Warpgroup 0 gives its registers
+// away; one warp of it runs the loads: lane 0 issues the TMA boxes of A and W into a ring of shared-memory
+// stages, and every lane copies part of the stage's scales with cp.async (a column of K-major scales is one
+// float per row, which a TMA box cannot be), all completing on the stage's mbarrier. Warpgroups 1 and 2 issue
+// wgmma (m64n128k32, both operands from shared memory), promote, and store bf16 rows through a small staging
+// buffer per warp with a row mask, so one TMA descriptor per operand serves every expert and rows of no
+// expert are never written. Tiles are numbered expert by expert from the [E] counts on the device (each CTA
+// scans them), so there is no host sync and no setup kernel, and a call can be captured in a CUDA graph.
+//
+// Three tile shapes: 128 x 128 (the warpgroups split the rows; each keeps two accumulators and promotes
+// block kb - 1 while block kb runs), 64 x 256 (they split the columns, same scheme: decode-sized groups),
+// and 128 x 256 (they split the rows; each runs its two column halves in turn).
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fim {
+namespace sm90_wgmma {
+
+constexpr int kBlockK = 128;  // K depth of one stage = the scale block
+constexpr int kMaxExperts = 1024;
+constexpr int kMaxDevices = 64;
+constexpr int kThreads = 384;
+constexpr int kMathWarps = 8;
+
+struct Params {
+  const float* sa;  // [R, K / 128]
+  const float* sw;  // [E, N / 128, K / 128]
+  __nv_bfloat16* out;
+  const int32_t* counts;   // [E]
+  const int32_t* offsets;  // [E + 1] (contiguous) or null (masked: expert e starts at e * capacity)
+  int capacity;
+  int num_groups, rows, n, k;
+  int swizzle, raster;
+};
+
+template <int BM, int BN, int STAGES>
+struct Shape {
+  static_assert((BM == 128 && (BN == 128 || BN == 256)) || (BM == 64 && BN == 256), "unsupported tile");
+  // 128 x 256: each math warpgroup owns 64 x 256 and runs it as two 128-column halves through one accumulator;
+  // otherwise each owns 64 x 128 with two accumulators.
+  static constexpr bool kWide = BM == 128 && BN == 256;
+  static constexpr int kABytes = BM * kBlockK;
+  static constexpr int kBBytes = BN * kBlockK;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kPipeBytes = STAGES * kStageBytes;
+  // Per stage, beside the ring: the A scales of the tile's rows and the W scales of its 128-column blocks.
+  static constexpr int kScaleFloats = BM + 4;  // two W scales, padded to keep 16-byte alignment
+  // 1024 of slack to align the ring for the 128-byte swizzle, the barriers, the stage scales, per expert
+  // the first m tile, the row count and the first row, then 1 KiB per math warp to stage its stores.
+  static constexpr int kSmemBytes =
+      1024 + kPipeBytes + 2 * STAGES * 8 + STAGES * kScaleFloats * 4 + (3 * kMaxExperts + 4) * 4 + kMathWarps * 1024;
+  static_assert(kSmemBytes <= 232448, "more than an sm_90 CTA can opt in to");
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void bar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void bar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(smem_u32(bar)), "r"(parity)
+                 : "memory");
+  } while (!done);
+}
+
+// A 4-byte copy into shared memory, tracked by the stage's barrier through cp_async_arrive.
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+
+// The barrier counts one arrival when this thread's earlier cp.async copies land (no extra pending count).
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int inner, int outer) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(inner), "r"(outer)
+      : "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major tile stored as 128-byte rows with the 128-byte swizzle (what
+// the TMA writes): 8-row atoms of 1024 bytes, so the stride between atoms is 1024; stepping K by 32 inside
+// a row moves the start address, the hardware applying the swizzle on the address bits.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma boundaries.
+__device__ __forceinline__ void fence_regs(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+      "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ int rows_of(const Params& p, int e) {
+  int rows = p.counts[e];
+  if (!p.offsets) rows = rows < p.capacity ? rows : p.capacity;  // a count past capacity is clamped
+  return rows > 0 ? rows : 0;
+}
+
+__device__ __forceinline__ int64_t first_row(const Params& p, int e) {
+  return p.offsets ? int64_t(p.offsets[e]) : int64_t(e) * p.capacity;
+}
+
+// Tile t -> (expert, m tile, n tile). Tiles are numbered expert by expert; inside an expert they go in bands
+// of `swizzle` tiles (n tiles for raster m, m tiles for raster n), so the tiles in flight share operands in L2.
+__device__ __forceinline__ void locate(const Params& p, const int* tile_start, int n_tiles, int t, int& e, int& mi,
+                                       int& ni) {
+  const int key = t / n_tiles;
+  int lo = 0, hi = p.num_groups - 1;  // the last expert whose first m tile is at or before key
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tile_start[mid] <= key) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  e = lo;
+  const int m_tiles = tile_start[e + 1] - tile_start[e];
+  const int local = t - tile_start[e] * n_tiles;
+  const int s = p.swizzle;
+  if (p.raster == 2) {
+    const int band = local / (s * n_tiles), r = local - band * s * n_tiles;
+    const int h = min(s, m_tiles - band * s);
+    mi = band * s + r % h;
+    ni = r / h;
+  } else {
+    const int band = local / (s * m_tiles), r = local - band * s * m_tiles;
+    const int w = min(s, n_tiles - band * s);
+    ni = band * s + r % w;
+    mi = r / w;
+  }
+}
+
+struct Ring {
+  int stage = 0;
+  uint32_t phase = 0;
+  template <int STAGES>
+  __device__ __forceinline__ void next() {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+template <int BM, int BN, int STAGES>
+__device__ __forceinline__ int issue_block(float (&d)[64], uint8_t* ring, uint64_t* full, Ring& r, uint32_t a_off,
+                                           uint32_t b_off) {
+  using S = Shape<BM, BN, STAGES>;
+  const int stage = r.stage;
+  bar_wait(&full[stage], r.phase);
+  const uint32_t a = smem_u32(ring + stage * S::kStageBytes) + a_off;
+  const uint32_t b = smem_u32(ring + stage * S::kStageBytes + S::kABytes) + b_off;
+  fence_regs(d);
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+  for (int ks = 0; ks < kBlockK / 32; ++ks) wgmma_m64n128k32(d, smem_desc(a + ks * 32), smem_desc(b + ks * 32), ks);
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  fence_regs(d);
+  r.template next<STAGES>();
+  return stage;
+}
+
+// Accumulator element i of a 64 x 128 wgmma tile sits at row (warp % 4) * 16 + lane / 4 + 8 * ((i / 2) % 2)
+// and column 8 * (i / 4) + 2 * (lane % 4) + i % 2: elements with bit 1 set are the lower row.
+__device__ __forceinline__ void promote(float (&fin)[64], float (&d)[64], float s_top, float s_low) {
+  fence_regs(d);
+#pragma unroll
+  for (int i = 0; i < 64; ++i) fin[i] = fmaf(d[i], (i & 2) ? s_low : s_top, fin[i]);
+}
+
+// Stores a warp's 16 rows x (8 * CHUNKS) accumulator columns as bf16 through a 1 KiB staging buffer of its own,
+// 32 columns at a time, so that each global store writes whole 64-byte row segments (16 bytes per lane).
+// `out` points at the warp's first row and column; rows from `valid_rows` on (the expert's end) and columns
+// from `cols` on (N) are skipped.
+template <int CHUNKS>
+__device__ __forceinline__ void store_tile(const float* fin, __nv_bfloat16* out, int64_t ld, int valid_rows, int cols,
+                                           uint32_t* stage, int lane) {
+  static_assert(CHUNKS % 4 == 0, "32 columns per pass");
+  const int row = lane / 4, pair = lane % 4;
+#pragma unroll
+  for (int pass = 0; pass < CHUNKS / 4; ++pass) {
+    if (32 * pass >= cols) break;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float* f = fin + 4 * (4 * pass + j);
+      __nv_bfloat162 top = __floats2bfloat162_rn(f[0], f[1]), low = __floats2bfloat162_rn(f[2], f[3]);
+      stage[row * 16 + 4 * j + pair] = *reinterpret_cast<uint32_t*>(&top);  // [16 rows][16 words]
+      stage[(row + 8) * 16 + 4 * j + pair] = *reinterpret_cast<uint32_t*>(&low);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int it = 0; it < 2; ++it) {
+      const int q = lane + 32 * it, r = q / 4, seg = q % 4;  // 4 segments of 16 bytes per row
+      if (r < valid_rows) {
+        *reinterpret_cast<uint4*>(out + r * ld + 32 * pass + 8 * seg) = reinterpret_cast<const uint4*>(stage)[q];
+      }
+    }
+    __syncwarp();
+  }
+}
+
+template <int BM, int BN, int STAGES>
+__global__ void __launch_bounds__(kThreads, 1)
+    fp8_block_grouped(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
+                      const Params p) {
+  using S = Shape<BM, BN, STAGES>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + S::kPipeBytes);
+  uint64_t* empty = full + STAGES;
+  float* scales = reinterpret_cast<float*>(empty + STAGES);                     // [STAGES][BM + 2]
+  int* tile_start = reinterpret_cast<int*>(scales + STAGES * S::kScaleFloats);  // [E + 1] first m tile
+  int* expert_rows = tile_start + kMaxExperts + 4;  // [E] rows (clamped counts); +4 keeps 16-byte alignment
+  int* expert_first = expert_rows + kMaxExperts;    // [E] first row
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = threadIdx.x / 128;
+  const int num_groups = p.num_groups;
+  if (warp == 0) {
+    const int per = (num_groups + 31) / 32, lo = min(lane * per, num_groups), hi = min(lo + per, num_groups);
+    int mine = 0;
+    for (int e = lo; e < hi; ++e) {
+      const int rows = rows_of(p, e);
+      expert_rows[e] = rows;
+      expert_first[e] = static_cast<int>(first_row(p, e));
+      mine += (rows + BM - 1) / BM;
+    }
+    int incl = mine;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += v;
+    }
+    int at = incl - mine;
+    for (int e = lo; e < hi; ++e) {
+      tile_start[e] = at;
+      at += (expert_rows[e] + BM - 1) / BM;
+    }
+    if (lane == 31) tile_start[num_groups] = incl;
+  } else if (threadIdx.x == 32) {
+    for (int s = 0; s < STAGES; ++s) {
+      bar_init(&full[s], 1 + 32);  // the TMA issuer's expect_tx, then each producer lane's scale copies
+      bar_init(&empty[s], kMathWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int n_tiles = (p.n + BN - 1) / BN;
+  const int total = tile_start[num_groups] * n_tiles;
+  const int kblocks = p.k / kBlockK;
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (warp != 0) return;
+    // One warp: lane 0 issues the TMA loads of a stage, every lane copies some of its scales (K-major scales
+    // cannot be a TMA box: one column of them is one float per row).
+    if (lane == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tma_a)) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tma_w)) : "memory");
+    }
+    const int n_blocks = p.n / kBlockK;
+    Ring r;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      int e, mi, ni;
+      locate(p, tile_start, n_tiles, t, e, mi, ni);
+      const int rows = expert_rows[e], first = expert_first[e];
+      const int a_row = first + mi * BM;
+      const int w_row = e * p.n + ni * BN;
+      // Rows past the expert copy row 0's scale: their results are never stored.
+      const float* sa_src[BM / 32];
+#pragma unroll
+      for (int j = 0; j < BM / 32; ++j) {
+        const int row = mi * BM + lane + 32 * j;
+        sa_src[j] = p.sa + int64_t(first + (row < rows ? row : 0)) * kblocks;
+      }
+      const float* sw_src = p.sw + (int64_t(e) * n_blocks + min(ni * BN / kBlockK + lane, n_blocks - 1)) * kblocks;
+      for (int kb = 0; kb < kblocks; ++kb) {
+        bar_wait(&empty[r.stage], r.phase ^ 1);
+        if (lane == 0) {
+          uint8_t* dst = ring + r.stage * S::kStageBytes;
+          bar_expect_tx(&full[r.stage], S::kStageBytes);
+          tma_load(dst, &tma_a, &full[r.stage], kb * kBlockK, a_row);
+          tma_load(dst + S::kABytes, &tma_w, &full[r.stage], kb * kBlockK, w_row);
+        }
+        float* sc = scales + r.stage * S::kScaleFloats;
+#pragma unroll
+        for (int j = 0; j < BM / 32; ++j) cp_async_4(sc + lane + 32 * j, sa_src[j] + kb);
+        if (lane < BN / kBlockK) cp_async_4(sc + BM + lane, sw_src + kb);
+        cp_async_arrive(&full[r.stage]);
+        r.template next<STAGES>();
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int mw = wg - 1;
+  const int wm = BM == 128 ? mw * 64 : 0;   // tile rows this warpgroup owns
+  const int wn = BM == 128 ? 0 : mw * 128;  // tile columns this warpgroup owns
+  const int row_in = wm + (warp % 4) * 16 + lane / 4;
+  const uint32_t a_off = wm * kBlockK, b_off = wn * kBlockK;
+  uint32_t* store_stage = reinterpret_cast<uint32_t*>(expert_first + kMaxExperts) + (warp - 4) * 256;
+  Ring r;
+  if constexpr (S::kWide) {
+    float fin[128], acc[64];
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      int e, mi, ni;
+      locate(p, tile_start, n_tiles, t, e, mi, ni);
+      const int rows = expert_rows[e];
+      const int64_t first = expert_first[e];
+#pragma unroll
+      for (int i = 0; i < 128; ++i) fin[i] = 0.f;
+      for (int kb = 0; kb < kblocks; ++kb) {
+        const int stage = r.stage;
+        bar_wait(&full[stage], r.phase);
+        const uint32_t a = smem_u32(ring + stage * S::kStageBytes) + a_off;
+        const uint32_t b = smem_u32(ring + stage * S::kStageBytes + S::kABytes);
+        const float* sc = scales + stage * S::kScaleFloats;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          fence_regs(acc);
+          asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+          for (int ks = 0; ks < kBlockK / 32; ++ks) {
+            wgmma_m64n128k32(acc, smem_desc(a + ks * 32), smem_desc(b + h * 128 * kBlockK + ks * 32), ks);
+          }
+          asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+          const float w = sc[BM + h], s_top = sc[row_in] * w, s_low = sc[row_in + 8] * w;
+          wgmma_wait<0>();
+          fence_regs(acc);
+#pragma unroll
+          for (int i = 0; i < 64; ++i) fin[64 * h + i] = fmaf(acc[i], (i & 2) ? s_low : s_top, fin[64 * h + i]);
+        }
+        if (lane == 0) bar_arrive(&empty[stage]);
+        r.template next<STAGES>();
+      }
+      const int row0 = mi * BM + wm + (warp % 4) * 16, col0 = ni * BN;
+      store_tile<32>(fin, p.out + (first + row0) * p.n + col0, p.n, rows - row0, p.n - col0, store_stage, lane);
+    }
+    return;
+  }
+  float fin[64], acc0[64], acc1[64];
+  // Promotes the block held in stage `st` (its wgmma group complete) and hands the stage back.
+  auto finish = [&](float (&d)[64], int st) {
+    const float* sc = scales + st * S::kScaleFloats;
+    const float w = sc[BM + wn / kBlockK];
+    promote(fin, d, sc[row_in] * w, sc[row_in + 8] * w);
+    if (lane == 0) bar_arrive(&empty[st]);
+  };
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    int e, mi, ni;
+    locate(p, tile_start, n_tiles, t, e, mi, ni);
+    const int rows = expert_rows[e];
+    const int64_t first = expert_first[e];
+
+#pragma unroll
+    for (int i = 0; i < 64; ++i) fin[i] = 0.f;
+
+    // Block kb is issued into one accumulator while block kb - 1, in the other, is promoted.
+    int st0 = issue_block<BM, BN, STAGES>(acc0, ring, full, r, a_off, b_off), st1;
+    int kb = 1;
+#pragma unroll 1
+    for (; kb + 1 < kblocks; kb += 2) {
+      st1 = issue_block<BM, BN, STAGES>(acc1, ring, full, r, a_off, b_off);
+      wgmma_wait<1>();
+      finish(acc0, st0);
+      st0 = issue_block<BM, BN, STAGES>(acc0, ring, full, r, a_off, b_off);
+      wgmma_wait<1>();
+      finish(acc1, st1);
+    }
+    if (kb < kblocks) {
+      st1 = issue_block<BM, BN, STAGES>(acc1, ring, full, r, a_off, b_off);
+      wgmma_wait<1>();
+      finish(acc0, st0);
+      wgmma_wait<0>();
+      finish(acc1, st1);
+    } else {
+      wgmma_wait<0>();
+      finish(acc0, st0);
+    }
+
+    const int row0 = mi * BM + wm + (warp % 4) * 16, col0 = ni * BN + wn;
+    store_tile<16>(fin, p.out + (first + row0) * p.n + col0, p.n, rows - row0, p.n - col0, store_stage, lane);
+  }
+}
+
+#else
+
+template <int BM, int BN, int STAGES>
+__global__ void fp8_block_grouped(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
+                                  const Params) {}
+
+#endif
+
+// ---------------------------------------------------------------------------------------------- host side
+
+using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
+
+EncodeTiled encode_fn() {
+  static EncodeTiled fn = []() -> EncodeTiled {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<EncodeTiled>(ptr);
+  }();
+  return fn;
+}
+
+// A 2-D e4m3 matrix [outer, inner] read in boxes of [box_outer, 128] with the 128-byte swizzle; rows past
+// `outer` read as zeros.
+bool encode(CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer, uint32_t box_outer) {
+  EncodeTiled fn = encode_fn();
+  if (!fn) return false;
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {inner};
+  const cuuint32_t box[2] = {kBlockK, box_outer};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int BM, int BN, int STAGES>
+int run(const void* a, const float* a_scale, const void* w, const float* w_scale, void* out, const int32_t* counts,
+        const int32_t* offsets, int capacity, int num_groups, int rows, int n, int k, int swizzle, int raster,
+        int sm_count, cudaStream_t stream) {
+  using S = Shape<BM, BN, STAGES>;
+  const bool order_ok = (swizzle == 1 || swizzle == 2 || swizzle == 4 || swizzle == 8) && raster >= 0 && raster <= 2;
+  if (num_groups < 1 || num_groups > kMaxExperts || rows < 0 || n < kBlockK || k < kBlockK || n % kBlockK ||
+      k % kBlockK || sm_count < 1 || !order_ok || (!offsets && capacity < 0)) {
+    return cudaErrorInvalidValue;
+  }
+  if (int64_t(num_groups) * n >= (int64_t(1) << 31) || int64_t(num_groups) * capacity >= (int64_t(1) << 31)) {
+    return cudaErrorInvalidValue;  // TMA coordinates and first rows are 32-bit
+  }
+  if (rows == 0) return cudaSuccess;
+  static bool opted_in[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (!opted_in[device]) {
+    err = cudaFuncSetAttribute(fp8_block_grouped<BM, BN, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               S::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    opted_in[device] = true;
+  }
+  CUtensorMap map_a, map_w;
+  if (!encode(&map_a, a, k, rows, BM) || !encode(&map_w, w, k, uint64_t(num_groups) * n, BN)) {
+    return cudaErrorInvalidValue;
+  }
+  Params p{a_scale, w_scale, static_cast<__nv_bfloat16*>(out), counts, offsets, capacity, num_groups, rows, n,
+           k,       swizzle, raster == 0 ? 1 : raster};
+  fp8_block_grouped<BM, BN, STAGES><<<sm_count, kThreads, S::kSmemBytes, stream>>>(map_a, map_w, p);
+  return cudaGetLastError();
+}
+
+}  // namespace sm90_wgmma
+}  // namespace fim
+
+#define FIM_SM90_WGMMA_EXPORT(NAME, BM, BN, STAGES)                                                                   \
+  extern "C" int fim_sm90_fp8_block_wgmma_##NAME(const void* a, const float* a_scale, const void* w,                  \
+                                                 const float* w_scale, void* out, const int32_t* counts,              \
+                                                 const int32_t* offsets, int capacity, int num_groups, int rows,      \
+                                                 int n, int k, int swizzle, int raster, int sm_count, void* stream) { \
+    return fim::sm90_wgmma::run<BM, BN, STAGES>(a, a_scale, w, w_scale, out, counts, offsets, capacity, num_groups,   \
+                                                rows, n, k, swizzle, raster, sm_count,                                \
+                                                static_cast<cudaStream_t>(stream));                                   \
+  }
+
+FIM_SM90_WGMMA_EXPORT(m128n128, 128, 128, 6)
+FIM_SM90_WGMMA_EXPORT(m64n256, 64, 256, 5)
+FIM_SM90_WGMMA_EXPORT(m128n256, 128, 256, 4)
