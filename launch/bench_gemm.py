@@ -18,8 +18,8 @@ choice.
 
 Kernel times are medians of CUDA-graph replays (inputs cycling through several sets where they are small
 enough, so that L2 does not hold them); the torch per-expert loops are timed eagerly, as they must sync. The
-FP8 block-scaled backends and the dense baseline are timed in turn over three rounds (medians), so that all
-of them meet the same power states of the board.
+FP8 block-scaled backends and the dense baseline are timed in turn over three rounds (medians), each after
+300 ms of its own replays, so that every one is timed in its own sustained power state.
 --sass DIR writes each compiled GEMM kernel's SASS there and prints its count of wgmma instructions.
 """
 
@@ -91,13 +91,18 @@ def block_backend(name: str):
 BLOCK_BACKENDS = ("coop", "pingpong", "wg64", "wg128w", "triton")
 
 
+# Replays before each timing of the rotation below (see timing.time_graph).
+SETTLE_MS = 300.0
+
+
 def time_block_backends(fn, baseline=None, rounds: int = 3, **kw) -> dict[str, float]:
     """Median over ``rounds`` of ``time_graph`` for ``fn`` under the default choice (``auto``) and each of
     ``BLOCK_BACKENDS`` (Hopper ones only on sm_90), and for ``baseline`` if given (``baseline``).
 
-    Each round times them all in turn, so every one meets the same mix of the board's power states: sustained
-    FP8 GEMMs are power-limited on an H200, and a kernel timed right after a lighter phase reads faster.
+    Each round times them all in turn, each after ``SETTLE_MS`` of its own replays: sustained FP8 GEMMs are
+    power-limited on an H200, and a kernel timed right after a lighter phase reads faster.
     """
+    kw.setdefault("settle_ms", SETTLE_MS)
     names = ["auto"]
     names += [n for n in BLOCK_BACKENDS if n == "triton" or torch.cuda.get_device_capability() == (9, 0)]
     samples: dict[str, list[float]] = {n: [] for n in names}
