@@ -358,8 +358,10 @@ def test_fused_moe(rng, quant, num_tokens, activation):
     assert got is out
     # GEMM2's input is quantized from each side's own GEMM1 output (bf16-rounded fp32 accumulators here,
     # float64 in the reference), so a few of its FP8 values round the other way: hence 3e-2, not the 2e-2
-    # of the single GEMMs, which are fed identical FP8 inputs.
-    assert rel_err(got, want) < (3e-2 if quant else TOL[kind]), seed
+    # of the single GEMMs, which are fed identical FP8 inputs. With one dynamic scale per tensor a moved
+    # amax re-rounds all of them (see test_layer.test_gpu_forward_matches_reference): 5e-2.
+    tol = {None: TOL[kind], "fp8_block": 3e-2, "fp8_tensor": 5e-2}[quant]
+    assert rel_err(got, want) < tol, seed
 
 
 def test_fused_moe_graph_capture(rng):

@@ -368,7 +368,11 @@ def test_gpu_forward_matches_reference(quant, num_tokens, rng):
             routed_scaling_factor=rsf,
             out_dtype=torch.float64,
         )
-        tol = 2e-2
+        # Dynamic per-tensor scales: GEMM2's input scale is the amax of GEMM1's bf16 output, which one bf16
+        # ulp can move (fp32 accumulation here, float64 in the reference); every FP8 value of GEMM2's input
+        # then rounds afresh. Measured on an H200: 3.2% for one seed at T = 1, 0.25% for the same seed with
+        # the reference given the kernel's scale. Per-128 group scales confine that to one group.
+        tol = 5e-2 if quant == "fp8_tensor" else 2e-2
     err = rel_error(out, ref)
     assert err < tol, f"seed {seed}: relative error {err:.3e} ({quant}, T={num_tokens})"
 
