@@ -3,8 +3,9 @@
 Three operand types (bf16/fp16; FP8 with DeepSeek-V3 block scales; FP8 with per-tensor scales), two layouts
 (contiguous `[R, K]` for prefill, masked `[E, C, K]` for decode), and GEMM1's epilogue fusions: the gated
 activations (``"silu"``: ``silu(gate) * up``; ``"clamped_silu"``: gpt-oss's clamped form), optionally
-re-quantized to FP8 per 128 columns for GEMM2. On a GPU each call is one Triton kernel launch with no host
-sync (CUDA-graph capturable); on a CPU the reference runs.
+re-quantized to FP8 per 128 columns for GEMM2. On a GPU a call launches the Triton kernel, or on Hopper
+for the block-scaled type a grouped GEMM of ``gemm_sm90`` (see ``gemm_op``), with no host sync (CUDA-graph
+capturable); on a CPU the reference runs.
 
 Dimension legend: ``E`` experts, ``R`` rows of the contiguous layout, ``C`` masked capacity, ``K``
 reduction, ``N`` weight rows (``2 I`` for GEMM1 with an activation, whose output has ``I`` columns).
@@ -15,12 +16,9 @@ from __future__ import annotations
 import torch
 
 from flashinfer_moe import _checks
-from flashinfer_moe import reference_gemm as ref
-from flashinfer_moe import reference_quant as ref_quant
-from flashinfer_moe._ops import LIB, on_device
 from flashinfer_moe.layout import ExpertLayout
 
-from . import gemm_config
+from .gemm_op import A_GROUP, A_NONE, A_ROW, A_TENSOR, ACT_CODES, BLOCK, NO_CAPACITY, W_BLOCK, W_EXPERT, W_NONE, run
 from .quant import FLOATS, FP8, check_out, out_buffers
 
 __all__ = [
@@ -31,102 +29,6 @@ __all__ = [
     "grouped_gemm_fp8_tensor_contiguous",
     "grouped_gemm_fp8_tensor_masked",
 ]
-
-# Codes shared with moe/gemm_kernel.py (kept here so that the CPU path never imports Triton).
-A_NONE, A_TENSOR, A_ROW, A_GROUP = 0, 1, 2, 3
-W_NONE, W_EXPERT, W_BLOCK = 0, 1, 2
-ACT_CODES = {None: 0, "silu": 1, "clamped_silu": 2}
-BLOCK = 128  # FP8 block-scale granularity along K (and weight rows)
-_NO_CAPACITY = 2**31 - 1
-
-LIB.define(
-    "grouped_gemm_(Tensor a, Tensor w, Tensor counts, Tensor? offsets, Tensor? a_scale, Tensor? w_scale, "
-    "Tensor(a!) out, Tensor(b!)? out_scale, int a_mode, int w_mode, int act, float alpha, float limit, "
-    "int capacity, bool fast_accum) -> ()"
-)
-
-
-def _gemm_cpu(
-    a, w, counts, offsets, a_scale, w_scale, out, out_scale, a_mode, w_mode, act, alpha, limit, capacity, fast_accum
-):
-    kind = {v: k for k, v in ACT_CODES.items()}[act]
-    counts = counts.clamp(max=capacity)
-    if offsets is None:
-        offsets = torch.arange(counts.shape[0], dtype=torch.int32) * capacity
-    y = ref.grouped_gemm(
-        a,
-        w,
-        counts,
-        offsets,
-        a_scale=a_scale,
-        w_scale=w_scale,
-        activation_kind=kind,
-        alpha=alpha,
-        limit=limit,
-        compute_dtype=torch.float32,
-    )  # [R, N]
-    # zip stops at the E counts (contiguous offsets hold E + 1 entries).
-    for start, count in zip(offsets.tolist(), counts.tolist(), strict=False):
-        rows = slice(start, start + count)
-        if out_scale is None:
-            out[rows] = y[rows].to(out.dtype)
-        else:
-            out[rows], out_scale[rows] = ref_quant.quantize_fp8_per_token_group(y[rows], BLOCK)
-
-
-def _gemm_cuda(
-    a, w, counts, offsets, a_scale, w_scale, out, out_scale, a_mode, w_mode, act, alpha, limit, capacity, fast_accum
-):
-    from . import gemm_kernel
-
-    num_experts, nw, k = w.shape
-    n = nw // 2 if act else nw
-    rows = a.shape[0]
-    if a_mode == A_GROUP and w_mode == W_BLOCK:
-        from . import gemm_sm90
-
-        cap = None if offsets is not None else capacity
-        if not act and out_scale is None and gemm_sm90.usable(a, w, out, a_scale, w_scale, n, k):
-            with on_device(a):
-                gemm_sm90.launch(a, a_scale, w, w_scale, out, counts, offsets, cap)
-            return
-        split = act and n % 128 == 0 and gemm_sm90.split_activation(rows, num_experts, cap)
-        if split and gemm_sm90.usable(a, w, None, a_scale, w_scale, nw, k):
-            # GEMM1: the CUTLASS GEMM to bf16, then the activation (+ FP8) as its own pass; the extra bf16 round
-            # trip costs less than the Triton kernel's slower mainloop (docs/perf.md).
-            from . import act_kernel
-
-            gate_up = torch.empty(rows, nw, dtype=torch.bfloat16, device=a.device)  # [R, 2I]
-            with on_device(a):
-                gemm_sm90.launch(a, a_scale, w, w_scale, gate_up, counts, offsets, cap)
-                act_kernel.launch(gate_up, out, out_scale, counts, offsets, cap, act, alpha, limit)
-            return
-    config = gemm_config.pick(a.dtype, a_mode, w_mode, act, out_scale is not None, rows, num_experts, capacity, n, k)
-    with on_device(a):
-        gemm_kernel.launch(
-            a,
-            w,
-            out,
-            out_scale,
-            counts,
-            offsets,
-            a_scale,
-            w_scale,
-            a_mode=a_mode,
-            w_mode=w_mode,
-            act=act,
-            alpha=alpha,
-            limit=limit,
-            capacity=capacity,
-            fast_accum=fast_accum,
-            config=config,
-        )
-
-
-LIB.impl("grouped_gemm_", _gemm_cpu, "CPU")
-LIB.impl("grouped_gemm_", _gemm_cuda, "CUDA")
-torch.library.register_fake("flashinfer_moe::grouped_gemm_", lambda *args: None, lib=LIB)
-
 
 # ------------------------------------------------------------------------------------------- checking
 
@@ -181,7 +83,7 @@ def _rows_and_groups(a: torch.Tensor, layout: object, masked: bool) -> tuple[tor
     if layout.num_rows != a.shape[0]:
         raise ValueError(f"a must have the layout's R = {layout.num_rows} rows, got shape {tuple(a.shape)}")
     _checks.same_device("a", a, "layout", layout.row_of)
-    return layout.tokens_per_expert, layout.expert_offsets, _NO_CAPACITY
+    return layout.tokens_per_expert, layout.expert_offsets, NO_CAPACITY
 
 
 def _check_experts(w: torch.Tensor, counts: torch.Tensor, layout_name: str) -> None:
@@ -212,30 +114,6 @@ def _scale(name: str, s: object, shapes: tuple[tuple[int, ...], ...], doc: str, 
     return s.contiguous()
 
 
-def _run(a, w, counts, offsets, capacity, a_scale, w_scale, outs, a_mode, w_mode, act, alpha, limit, fast_accum=False):
-    out = outs[0]
-    out_scale = outs[1] if len(outs) == 2 else None
-    if a.numel() and out.numel():
-        torch.ops.flashinfer_moe.grouped_gemm_(
-            a.reshape(-1, a.shape[-1]),
-            w,
-            counts,
-            offsets,
-            a_scale,
-            w_scale,
-            out.view(-1, out.shape[-1]),
-            None if out_scale is None else out_scale.view(-1, out_scale.shape[-1]),
-            a_mode,
-            w_mode,
-            act,
-            alpha,
-            limit,
-            capacity,
-            bool(fast_accum),
-        )
-    return outs if out_scale is not None else out
-
-
 def _plain(a, w, layout, masked, activation, alpha, limit, out_dtype, out):
     a = _operand("a", a, 3 if masked else 2, "[E, C, K]" if masked else "[R, K]", (torch.bfloat16, torch.float16))
     w = _weights(w, a, (torch.bfloat16, torch.float16))
@@ -243,7 +121,7 @@ def _plain(a, w, layout, masked, activation, alpha, limit, out_dtype, out):
     _check_experts(w, counts, "tokens_per_expert" if masked else "layout")
     act, n, alpha, limit = _activation(activation, w, alpha, limit)
     outs = _outputs(out, a, n, a.dtype if out_dtype is None else out_dtype, False)
-    return _run(a, w, counts, offsets, capacity, None, None, outs, A_NONE, W_NONE, act, alpha, limit)
+    return run(a, w, counts, offsets, capacity, None, None, outs, A_NONE, W_NONE, act, alpha, limit)
 
 
 def _fp8(
@@ -284,7 +162,7 @@ def _fp8(
     # The kernel sees the rows flattened: [rows] per row, [rows, K / 128] per row and group.
     a_scale = a_scale.reshape(-1, k // BLOCK) if a_mode == A_GROUP else a_scale.reshape(-1)
     outs = _outputs(out, a, n, out_dtype, quantize_output)
-    return _run(a, w, counts, offsets, capacity, a_scale, w_scale, outs, a_mode, w_mode, act, alpha, limit, fast_accum)
+    return run(a, w, counts, offsets, capacity, a_scale, w_scale, outs, a_mode, w_mode, act, alpha, limit, fast_accum)
 
 
 # ---------------------------------------------------------------------------------------------- public

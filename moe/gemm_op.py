@@ -1,0 +1,134 @@
+"""The ``flashinfer_moe::grouped_gemm_`` custom op behind ``moe/gemm.py``'s public functions: its schema, the
+CPU implementation (the reference) and the CUDA one, which picks the kernel (Hopper: ``gemm_sm90``'s grouped
+GEMMs, GEMM1 with an activation split into GEMM + ``act_kernel``; elsewhere and otherwise the Triton kernel of
+``gemm_kernel``). Arguments arrive checked by ``moe/gemm.py``; dimension legend as there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashinfer_moe import reference_gemm as ref
+from flashinfer_moe import reference_quant as ref_quant
+from flashinfer_moe._ops import LIB, on_device
+
+from . import gemm_config
+
+# Codes shared with moe/gemm_kernel.py (kept here so that the CPU path never imports Triton).
+A_NONE, A_TENSOR, A_ROW, A_GROUP = 0, 1, 2, 3
+W_NONE, W_EXPERT, W_BLOCK = 0, 1, 2
+ACT_CODES = {None: 0, "silu": 1, "clamped_silu": 2}
+BLOCK = 128  # FP8 block-scale granularity along K (and weight rows)
+NO_CAPACITY = 2**31 - 1
+
+LIB.define(
+    "grouped_gemm_(Tensor a, Tensor w, Tensor counts, Tensor? offsets, Tensor? a_scale, Tensor? w_scale, "
+    "Tensor(a!) out, Tensor(b!)? out_scale, int a_mode, int w_mode, int act, float alpha, float limit, "
+    "int capacity, bool fast_accum) -> ()"
+)
+
+
+def _gemm_cpu(
+    a, w, counts, offsets, a_scale, w_scale, out, out_scale, a_mode, w_mode, act, alpha, limit, capacity, fast_accum
+):
+    kind = {v: k for k, v in ACT_CODES.items()}[act]
+    counts = counts.clamp(max=capacity)
+    if offsets is None:
+        offsets = torch.arange(counts.shape[0], dtype=torch.int32) * capacity
+    y = ref.grouped_gemm(
+        a,
+        w,
+        counts,
+        offsets,
+        a_scale=a_scale,
+        w_scale=w_scale,
+        activation_kind=kind,
+        alpha=alpha,
+        limit=limit,
+        compute_dtype=torch.float32,
+    )  # [R, N]
+    # zip stops at the E counts (contiguous offsets hold E + 1 entries).
+    for start, count in zip(offsets.tolist(), counts.tolist(), strict=False):
+        rows = slice(start, start + count)
+        if out_scale is None:
+            out[rows] = y[rows].to(out.dtype)
+        else:
+            out[rows], out_scale[rows] = ref_quant.quantize_fp8_per_token_group(y[rows], BLOCK)
+
+
+def _gemm_cuda(
+    a, w, counts, offsets, a_scale, w_scale, out, out_scale, a_mode, w_mode, act, alpha, limit, capacity, fast_accum
+):
+    from . import gemm_kernel
+
+    num_experts, nw, k = w.shape
+    n = nw // 2 if act else nw
+    rows = a.shape[0]
+    if a_mode == A_GROUP and w_mode == W_BLOCK:
+        from . import gemm_sm90
+
+        cap = None if offsets is not None else capacity
+        if not act and out_scale is None and gemm_sm90.usable(a, w, out, a_scale, w_scale, n, k):
+            with on_device(a):
+                gemm_sm90.launch(a, a_scale, w, w_scale, out, counts, offsets, cap)
+            return
+        split = act and n % 128 == 0 and gemm_sm90.split_activation(rows, num_experts, cap)
+        if split and gemm_sm90.usable(a, w, None, a_scale, w_scale, nw, k):
+            # GEMM1: the CUTLASS GEMM to bf16, then the activation (+ FP8) as its own pass; the extra bf16 round
+            # trip costs less than the Triton kernel's slower mainloop (docs/perf.md).
+            from . import act_kernel
+
+            gate_up = torch.empty(rows, nw, dtype=torch.bfloat16, device=a.device)  # [R, 2I]
+            with on_device(a):
+                gemm_sm90.launch(a, a_scale, w, w_scale, gate_up, counts, offsets, cap)
+                act_kernel.launch(gate_up, out, out_scale, counts, offsets, cap, act, alpha, limit)
+            return
+    config = gemm_config.pick(a.dtype, a_mode, w_mode, act, out_scale is not None, rows, num_experts, capacity, n, k)
+    with on_device(a):
+        gemm_kernel.launch(
+            a,
+            w,
+            out,
+            out_scale,
+            counts,
+            offsets,
+            a_scale,
+            w_scale,
+            a_mode=a_mode,
+            w_mode=w_mode,
+            act=act,
+            alpha=alpha,
+            limit=limit,
+            capacity=capacity,
+            fast_accum=fast_accum,
+            config=config,
+        )
+
+
+LIB.impl("grouped_gemm_", _gemm_cpu, "CPU")
+LIB.impl("grouped_gemm_", _gemm_cuda, "CUDA")
+torch.library.register_fake("flashinfer_moe::grouped_gemm_", lambda *args: None, lib=LIB)
+
+
+def run(a, w, counts, offsets, capacity, a_scale, w_scale, outs, a_mode, w_mode, act, alpha, limit, fast_accum=False):
+    out = outs[0]
+    out_scale = outs[1] if len(outs) == 2 else None
+    if a.numel() and out.numel():
+        torch.ops.flashinfer_moe.grouped_gemm_(
+            a.reshape(-1, a.shape[-1]),
+            w,
+            counts,
+            offsets,
+            a_scale,
+            w_scale,
+            out.view(-1, out.shape[-1]),
+            None if out_scale is None else out_scale.view(-1, out_scale.shape[-1]),
+            a_mode,
+            w_mode,
+            act,
+            alpha,
+            limit,
+            capacity,
+            bool(fast_accum),
+        )
+    return outs if out_scale is not None else out
