@@ -202,38 +202,9 @@ def launch(
         raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
     if swizzle not in (1, 2, 4, 8) or raster not in RASTERS:
         raise ValueError(f"swizzle must be 1, 2, 4 or 8 and raster one of {list(RASTERS)}, got {swizzle}, {raster!r}")
-    index = a.device.index
-    sms = _sm_count(index)
-    if config in WGMMA_CONFIGS:
-        lib = _wgmma_lib()
-        if num_experts > 1024:
-            raise ValueError(f"the wgmma kernel takes at most 1024 experts, got {num_experts}")
-        status = getattr(lib, f"fim_sm90_fp8_block_wgmma_{WGMMA_CONFIGS[config]}")(
-            a.data_ptr(),
-            a_scale.data_ptr(),
-            w.data_ptr(),
-            w_scale.data_ptr(),
-            out.data_ptr(),
-            counts.data_ptr(),
-            None if offsets is None else offsets.data_ptr(),
-            0 if capacity is None else capacity,
-            num_experts,
-            a.shape[0],
-            n,
-            k,
-            swizzle,
-            RASTERS[raster],
-            sms,
-            stream_of(a),
-        )
-        check_launch(lib, status, f"grouped GEMM (wgmma {config}, E={num_experts}, N={n}, K={k})")
-        return
-    lib = _lib()
-    size = getattr(lib, f"fim_sm90_fp8_block_grouped_{config}_workspace")(num_experts, sms)
-    if size <= 0:
-        raise RuntimeError(f"grouped GEMM workspace query failed for E = {num_experts}")
-    workspace = torch.empty(size, dtype=torch.uint8, device=a.device)
-    status = getattr(lib, f"fim_sm90_fp8_block_grouped_{config}")(
+    sms = _sm_count(a.device.index)
+    # Both libraries take the operands, the layout and the tile order in this order.
+    operands = (
         a.data_ptr(),
         a_scale.data_ptr(),
         w.data_ptr(),
@@ -243,13 +214,21 @@ def launch(
         None if offsets is None else offsets.data_ptr(),
         0 if capacity is None else capacity,
         num_experts,
-        n,
-        k,
-        swizzle,
-        RASTERS[raster],
-        workspace.data_ptr(),
-        size,
-        sms,
-        stream_of(a),
     )
+    order = (swizzle, RASTERS[raster])
+    if config in WGMMA_CONFIGS:
+        if num_experts > WGMMA_MAX_EXPERTS:
+            raise ValueError(f"the wgmma kernel takes at most {WGMMA_MAX_EXPERTS} experts, got {num_experts}")
+        lib = _wgmma_lib()
+        fn = getattr(lib, f"fim_sm90_fp8_block_wgmma_{WGMMA_CONFIGS[config]}")
+        status = fn(*operands, a.shape[0], n, k, *order, sms, stream_of(a))
+        check_launch(lib, status, f"grouped GEMM (wgmma {config}, E={num_experts}, N={n}, K={k})")
+        return
+    lib = _lib()
+    size = getattr(lib, f"fim_sm90_fp8_block_grouped_{config}_workspace")(num_experts, sms)
+    if size <= 0:
+        raise RuntimeError(f"grouped GEMM workspace query failed for E = {num_experts}")
+    workspace = torch.empty(size, dtype=torch.uint8, device=a.device)
+    fn = getattr(lib, f"fim_sm90_fp8_block_grouped_{config}")
+    status = fn(*operands, n, k, *order, workspace.data_ptr(), size, sms, stream_of(a))
     check_launch(lib, status, f"grouped GEMM (CUTLASS {config}, E={num_experts}, N={n}, K={k})")
