@@ -207,19 +207,24 @@ struct Ring {
   }
 };
 
+// One 128-deep K block of a 64 x 128 tile as one wgmma group into `d` (A rows at `a`, W rows at `b`, both in
+// shared memory); the caller waits for it with wgmma_wait and fences `d` before reading it.
+__device__ __forceinline__ void issue_group(float (&d)[64], uint32_t a, uint32_t b) {
+  fence_regs(d);
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+  for (int ks = 0; ks < kBlockK / 32; ++ks) wgmma_m64n128k32(d, smem_desc(a + ks * 32), smem_desc(b + ks * 32), ks);
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
 template <int BM, int BN, int STAGES>
 __device__ __forceinline__ int issue_block(float (&d)[64], uint8_t* ring, uint64_t* full, Ring& r, uint32_t a_off,
                                            uint32_t b_off) {
   using S = Shape<BM, BN, STAGES>;
   const int stage = r.stage;
   bar_wait(&full[stage], r.phase);
-  const uint32_t a = smem_u32(ring + stage * S::kStageBytes) + a_off;
-  const uint32_t b = smem_u32(ring + stage * S::kStageBytes + S::kABytes) + b_off;
-  fence_regs(d);
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-  for (int ks = 0; ks < kBlockK / 32; ++ks) wgmma_m64n128k32(d, smem_desc(a + ks * 32), smem_desc(b + ks * 32), ks);
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  issue_group(d, smem_u32(ring + stage * S::kStageBytes) + a_off,
+              smem_u32(ring + stage * S::kStageBytes + S::kABytes) + b_off);
   fence_regs(d);
   r.template next<STAGES>();
   return stage;
@@ -384,13 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float* sc = scales + stage * S::kScaleFloats;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          fence_regs(acc);
-          asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-          for (int ks = 0; ks < kBlockK / 32; ++ks) {
-            wgmma_m64n128k32(acc, smem_desc(a + ks * 32), smem_desc(b + h * 128 * kBlockK + ks * 32), ks);
-          }
-          asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+          issue_group(acc, a, b + h * 128 * kBlockK);
           const float w = sc[BM + h], s_top = sc[row_in] * w, s_low = sc[row_in + 8] * w;
           wgmma_wait<0>();
           fence_regs(acc);
