@@ -13,7 +13,7 @@ Tables:
 
 The FP8 block-scaled rows also time each backend of that GEMM in the same run: on Hopper the CUTLASS kernels
 (``coop``: 128x128 tiles; ``pingpong``: 64x128) and our wgmma kernel (``wg64``: 64x256 tiles; ``wg128w``:
-128x256), each in its default tile order, and the Triton kernel (``triton``); the plain column is the default
+128x256 in two halves; ``wg128q``: 128x256 in quarters), each in its default tile order, and the Triton kernel (``triton``); the plain column is the default
 choice.
 
 Kernel times are medians of CUDA-graph replays (inputs cycling through several sets where they are small
@@ -88,7 +88,7 @@ def block_backend(name: str):
             os.environ["FLASHINFER_MOE_GEMM_BACKEND"] = saved_env
 
 
-BLOCK_BACKENDS = ("coop", "pingpong", "wg64", "wg128w", "triton")
+BLOCK_BACKENDS = ("coop", "pingpong", "wg64", "wg128w", "wg128q", "triton")
 
 
 # Replays before each timing of the rotation below (see timing.time_graph).

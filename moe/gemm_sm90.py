@@ -50,9 +50,10 @@ WGMMA_SPEC = register(
 # CUTLASS: coop: 128x128 tiles, both consumer warpgroups on one tile; pingpong: 64x128 tiles, one per
 # warpgroup; coop_n2: coop in clusters of two CTAs sharing the activation tile (TMA multicast).
 CUTLASS_CONFIGS = ("coop", "pingpong", "coop_n2")
-# Ours: 128x128 tiles (the warpgroups split the rows), 64x256 (they split the columns) and 128x256 (rows; each
-# warpgroup runs its two 128-column halves in turn).
-WGMMA_CONFIGS = {"wg128": "m128n128", "wg64": "m64n256", "wg128w": "m128n256"}
+# Ours: 128x128 tiles (the warpgroups split the rows), 64x256 (they split the columns), 128x256 (rows; each
+# warpgroup runs its two 128-column halves in turn) and 128x256 in 64-column quarters (each promoted while the
+# next one runs).
+WGMMA_CONFIGS = {"wg128": "m128n128", "wg64": "m64n256", "wg128w": "m128n256", "wg128q": "m128n256s64"}
 CONFIGS = (*CUTLASS_CONFIGS, *WGMMA_CONFIGS)
 
 _vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -90,7 +91,12 @@ def _headers_found() -> bool:
         HEADER_SETS["cutlass"]()
         return True
     except JitError as e:
-        logger.warning("FP8 block-scaled grouped GEMM: using the Triton kernel on Hopper, because %s", e)
+        logger.warning(
+            "FP8 block-scaled grouped GEMM: no CUTLASS kernels on Hopper (our wgmma kernel serves up to %d experts,"
+            " the Triton kernel more), because %s",
+            WGMMA_MAX_EXPERTS,
+            e,
+        )
         return False
 
 
@@ -105,8 +111,8 @@ def _sm_count(index: int) -> int:
 
 
 def usable(a, w, out, a_scale, w_scale, n: int, k: int) -> bool:
-    """Whether this kernel takes the call: sm_90, CUTLASS present, dense 16-byte-aligned operands (``out``
-    None: a bf16 buffer the caller makes)."""
+    """Whether these kernels take the call: sm_90, dense 16-byte-aligned operands (``out`` None: a bf16 buffer
+    the caller makes), and our wgmma kernel (up to ``WGMMA_MAX_EXPERTS`` experts) or CUTLASS's headers."""
     if envs.gemm_backend() == "triton" or not _device_ok(a.device.index) or n % 128 or k % 128:
         return False
     if out is not None and out.dtype != torch.bfloat16:
@@ -115,7 +121,7 @@ def usable(a, w, out, a_scale, w_scale, n: int, k: int) -> bool:
         return False
     if any(t.data_ptr() % 16 for t in (a, w, out) if t is not None):
         return False
-    return _headers_found()
+    return w.shape[0] <= WGMMA_MAX_EXPERTS or _headers_found()
 
 
 # Rows per expert from which GEMM1 with a gated activation runs as this GEMM plus a separate activation pass
@@ -144,7 +150,8 @@ DEFAULT_ORDERS = {
     "coop_n2": (1, "n"),
     "wg128": (4, "m"),  # never the fastest on the benchmark shapes; kept for the sweeps
     "wg64": (4, "n"),
-    "wg128w": (1, "m"),
+    "wg128w": (1, "m"),  # the masked 128-row default until wg128q; kept for the sweeps
+    "wg128q": (2, "m"),
 }
 
 
@@ -158,10 +165,10 @@ def pick(rows: int, num_experts: int, capacity: int | None, n: int, k: int) -> t
     if per_expert <= 128:
         # Measured on the masked layout only (every slot used); contiguous groups of this mean size vary
         # around it and keep the CUTLASS kernel.
-        return ("wg128w", *DEFAULT_ORDERS["wg128w"]) if ours and capacity is not None else ("coop", 1, "n")
-    if n >= 2 * k:
+        return ("wg128q", *DEFAULT_ORDERS["wg128q"]) if ours and capacity is not None else ("coop", 1, "n")
+    if n >= 2 * k and per_expert >= 1024:  # few, large groups with wide N: CUTLASS's activation multicast
         return "coop_n2", 1, "n"
-    return "coop", 2, "m"
+    return ("wg128w", *DEFAULT_ORDERS["wg128w"]) if ours else ("coop", 2, "m")
 
 
 RASTERS = {"auto": 0, "m": 1, "n": 2}
@@ -198,6 +205,8 @@ def launch(
     num_experts, n, k = w.shape
     if config is None:
         config, swizzle, raster = pick(a.shape[0], num_experts, capacity, n, k)
+        if config in CUTLASS_CONFIGS and num_experts <= WGMMA_MAX_EXPERTS and not _headers_found():
+            config, (swizzle, raster) = "wg128w", DEFAULT_ORDERS["wg128w"]  # the closest of ours (docs/perf.md)
     if config not in CONFIGS:
         raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
     if swizzle not in (1, 2, 4, 8) or raster not in RASTERS:

@@ -21,9 +21,10 @@
 // expert are never written. Tiles are numbered expert by expert from the [E] counts on the device (each CTA
 // scans them), so there is no host sync and no setup kernel, and a call can be captured in a CUDA graph.
 //
-// Three tile shapes: 128 x 128 (the warpgroups split the rows; each keeps two accumulators and promotes
+// Four tile shapes: 128 x 128 (the warpgroups split the rows; each keeps two accumulators and promotes
 // block kb - 1 while block kb runs), 64 x 256 (they split the columns, same scheme: decode-sized groups),
-// and 128 x 256 (they split the rows; each runs its two column halves in turn).
+// 128 x 256 (they split the rows; each runs its two column halves in turn), and 128 x 256 in 64-column
+// quarters (SUB = 64: two small accumulators, quarter q promoted while quarter q + 1 runs).
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -47,7 +48,7 @@ struct Params {
   const int32_t* counts;   // [E]
   const int32_t* offsets;  // [E + 1] (contiguous) or null (masked: expert e starts at e * capacity)
   int capacity;
-  int num_groups, rows, n, k;
+  int num_groups, n, k;
   int swizzle, raster;
 };
 
@@ -118,16 +119,27 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
 
 // Shared-memory matrix descriptor of a K-major tile stored as 128-byte rows with the 128-byte swizzle (what
 // the TMA writes): 8-row atoms of 1024 bytes, so the stride between atoms is 1024; stepping K by 32 inside
-// a row moves the start address, the hardware applying the swizzle on the address bits.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+// a row moves the start address, the hardware applying the swizzle on the address bits. The high word is a
+// constant (atom stride, swizzle mode) and the low word is the start address / 16 plus a leading offset of 1,
+// so a k step is an add of 2 to the low word: the loop builds no descriptor from scratch.
+constexpr uint32_t kDescHi = (1024 >> 4) | (1u << 30);
+
+// Shared-memory addresses here are below 256 KiB, so the 14-bit start field takes them whole.
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr) { return (addr >> 4) | (1u << 16); }
+
+__device__ __forceinline__ uint64_t make_desc(uint32_t lo) { return (static_cast<uint64_t>(kDescHi) << 32) | lo; }
+
+__device__ __forceinline__ float lds(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
 }
 
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma boundaries.
-__device__ __forceinline__ void fence_regs(float (&d)[64]) {
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
@@ -146,6 +158,20 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t desc_a
         "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
         "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
         "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_m64n64k32(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
@@ -207,24 +233,37 @@ struct Ring {
   }
 };
 
-// One 128-deep K block of a 64 x 128 tile as one wgmma group into `d` (A rows at `a`, W rows at `b`, both in
-// shared memory); the caller waits for it with wgmma_wait and fences `d` before reading it.
-__device__ __forceinline__ void issue_group(float (&d)[64], uint32_t a, uint32_t b) {
+// One 128-deep K block of a 64 x 128 tile as one wgmma group into `d`, A and W given by the descriptor low
+// words of their first row in shared memory; the caller waits for it with wgmma_wait and fences `d`.
+__device__ __forceinline__ void issue_group(float (&d)[64], uint32_t a_lo, uint32_t b_lo) {
   fence_regs(d);
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-  for (int ks = 0; ks < kBlockK / 32; ++ks) wgmma_m64n128k32(d, smem_desc(a + ks * 32), smem_desc(b + ks * 32), ks);
+  for (int ks = 0; ks < kBlockK / 32; ++ks) {
+    wgmma_m64n128k32(d, make_desc(a_lo + 2 * ks), make_desc(b_lo + 2 * ks), ks);
+  }
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 
+// The same for a 64 x 64 tile (64 W rows at `b_lo`).
+__device__ __forceinline__ void issue_group(float (&d)[32], uint32_t a_lo, uint32_t b_lo) {
+  fence_regs(d);
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+  for (int ks = 0; ks < kBlockK / 32; ++ks) {
+    wgmma_m64n64k32(d, make_desc(a_lo + 2 * ks), make_desc(b_lo + 2 * ks), ks);
+  }
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+// `a_lo` and `b_lo`: descriptor low words of this warpgroup's A and W rows in stage 0.
 template <int BM, int BN, int STAGES>
-__device__ __forceinline__ int issue_block(float (&d)[64], uint8_t* ring, uint64_t* full, Ring& r, uint32_t a_off,
-                                           uint32_t b_off) {
+__device__ __forceinline__ int issue_block(float (&d)[64], uint64_t* full, Ring& r, uint32_t a_lo, uint32_t b_lo) {
   using S = Shape<BM, BN, STAGES>;
   const int stage = r.stage;
   bar_wait(&full[stage], r.phase);
-  issue_group(d, smem_u32(ring + stage * S::kStageBytes) + a_off,
-              smem_u32(ring + stage * S::kStageBytes + S::kABytes) + b_off);
+  const uint32_t step = stage * (S::kStageBytes >> 4);
+  issue_group(d, a_lo + step, b_lo + step);
   fence_regs(d);
   r.template next<STAGES>();
   return stage;
@@ -269,11 +308,12 @@ __device__ __forceinline__ void store_tile(const float* fin, __nv_bfloat16* out,
   }
 }
 
-template <int BM, int BN, int STAGES>
+template <int BM, int BN, int STAGES, int SUB>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_block_grouped(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                       const Params p) {
   using S = Shape<BM, BN, STAGES>;
+  static_assert(SUB == 128 || (SUB == 64 && S::kWide), "64-column quarters exist for the 128 x 256 tile only");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + S::kPipeBytes);
@@ -369,10 +409,60 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wm = BM == 128 ? mw * 64 : 0;   // tile rows this warpgroup owns
   const int wn = BM == 128 ? 0 : mw * 128;  // tile columns this warpgroup owns
   const int row_in = wm + (warp % 4) * 16 + lane / 4;
-  const uint32_t a_off = wm * kBlockK, b_off = wn * kBlockK;
+  // Descriptor low words of this warpgroup's A and W rows in stage 0 (stage s adds s * kStageBytes / 16), and
+  // the shared address of stage 0's scales: built once, so the loop only adds.
+  const uint32_t ring_lo = desc_lo(smem_u32(ring));
+  const uint32_t a_lo = ring_lo + ((wm * kBlockK) >> 4), b_lo = ring_lo + ((S::kABytes + wn * kBlockK) >> 4);
+  const uint32_t sc_base = smem_u32(scales);
   uint32_t* store_stage = reinterpret_cast<uint32_t*>(expert_first + kMaxExperts) + (warp - 4) * 256;
   Ring r;
-  if constexpr (S::kWide) {
+  if constexpr (S::kWide && SUB == 64) {
+    // Four 64-column quarters per K block through two 32-register accumulators: quarter q is promoted while
+    // quarter q + 1 runs.
+    float fin[128], acc0[32], acc1[32];
+    // Adds quarter q's product (complete in `d`) into the promoted accumulator.
+    auto add = [&](float (&d)[32], int q, float s_top, float s_low) {
+      fence_regs(d);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) fin[32 * q + i] = fmaf(d[i], (i & 2) ? s_low : s_top, fin[32 * q + i]);
+    };
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      int e, mi, ni;
+      locate(p, tile_start, n_tiles, t, e, mi, ni);
+      const int rows = expert_rows[e];
+      const int64_t first = expert_first[e];
+#pragma unroll
+      for (int i = 0; i < 128; ++i) fin[i] = 0.f;
+      for (int kb = 0; kb < kblocks; ++kb) {
+        const int stage = r.stage;
+        bar_wait(&full[stage], r.phase);
+        const uint32_t step = stage * (S::kStageBytes >> 4), sc = sc_base + stage * S::kScaleFloats * 4;
+        const uint32_t b = b_lo + step, quarter = (64 * kBlockK) >> 4;
+        // Scales first: their shared-memory latency then hides behind the first group's issue.
+        const float sa_top = lds(sc + 4 * row_in), sa_low = lds(sc + 4 * (row_in + 8));
+        const float w0 = lds(sc + 4 * BM), w1 = lds(sc + 4 * (BM + 1));
+        issue_group(acc0, a_lo + step, b);
+        issue_group(acc1, a_lo + step, b + quarter);
+        wgmma_wait<1>();
+        add(acc0, 0, sa_top * w0, sa_low * w0);
+        issue_group(acc0, a_lo + step, b + 2 * quarter);
+        wgmma_wait<1>();
+        add(acc1, 1, sa_top * w0, sa_low * w0);
+        issue_group(acc1, a_lo + step, b + 3 * quarter);
+        wgmma_wait<1>();
+        add(acc0, 2, sa_top * w1, sa_low * w1);
+        // The block's last quarter is not overlapped: ptxas serializes every wgmma of the kernel when a group
+        // stays in flight across this loop's back edge here.
+        wgmma_wait<0>();
+        add(acc1, 3, sa_top * w1, sa_low * w1);
+        if (lane == 0) bar_arrive(&empty[stage]);
+        r.template next<STAGES>();
+      }
+      const int row0 = mi * BM + wm + (warp % 4) * 16, col0 = ni * BN;
+      store_tile<32>(fin, p.out + (first + row0) * p.n + col0, p.n, rows - row0, p.n - col0, store_stage, lane);
+    }
+    return;
+  } else if constexpr (S::kWide) {
     float fin[128], acc[64];
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       int e, mi, ni;
@@ -384,13 +474,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kb = 0; kb < kblocks; ++kb) {
         const int stage = r.stage;
         bar_wait(&full[stage], r.phase);
-        const uint32_t a = smem_u32(ring + stage * S::kStageBytes) + a_off;
-        const uint32_t b = smem_u32(ring + stage * S::kStageBytes + S::kABytes);
-        const float* sc = scales + stage * S::kScaleFloats;
+        const uint32_t step = stage * (S::kStageBytes >> 4), sc = sc_base + stage * S::kScaleFloats * 4;
+        const float sa_top = lds(sc + 4 * row_in), sa_low = lds(sc + 4 * (row_in + 8));
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          issue_group(acc, a, b + h * 128 * kBlockK);
-          const float w = sc[BM + h], s_top = sc[row_in] * w, s_low = sc[row_in + 8] * w;
+          const float w = lds(sc + 4 * (BM + h)), s_top = sa_top * w, s_low = sa_low * w;
+          issue_group(acc, a_lo + step, b_lo + step + h * ((128 * kBlockK) >> 4));
           wgmma_wait<0>();
           fence_regs(acc);
 #pragma unroll
@@ -407,9 +496,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float fin[64], acc0[64], acc1[64];
   // Promotes the block held in stage `st` (its wgmma group complete) and hands the stage back.
   auto finish = [&](float (&d)[64], int st) {
-    const float* sc = scales + st * S::kScaleFloats;
-    const float w = sc[BM + wn / kBlockK];
-    promote(fin, d, sc[row_in] * w, sc[row_in + 8] * w);
+    const uint32_t sc = sc_base + st * S::kScaleFloats * 4;
+    const float w = lds(sc + 4 * (BM + wn / kBlockK));
+    promote(fin, d, lds(sc + 4 * row_in) * w, lds(sc + 4 * (row_in + 8)) * w);
     if (lane == 0) bar_arrive(&empty[st]);
   };
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
@@ -422,19 +511,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 64; ++i) fin[i] = 0.f;
 
     // Block kb is issued into one accumulator while block kb - 1, in the other, is promoted.
-    int st0 = issue_block<BM, BN, STAGES>(acc0, ring, full, r, a_off, b_off), st1;
+    int st0 = issue_block<BM, BN, STAGES>(acc0, full, r, a_lo, b_lo), st1;
     int kb = 1;
 #pragma unroll 1
     for (; kb + 1 < kblocks; kb += 2) {
-      st1 = issue_block<BM, BN, STAGES>(acc1, ring, full, r, a_off, b_off);
+      st1 = issue_block<BM, BN, STAGES>(acc1, full, r, a_lo, b_lo);
       wgmma_wait<1>();
       finish(acc0, st0);
-      st0 = issue_block<BM, BN, STAGES>(acc0, ring, full, r, a_off, b_off);
+      st0 = issue_block<BM, BN, STAGES>(acc0, full, r, a_lo, b_lo);
       wgmma_wait<1>();
       finish(acc1, st1);
     }
     if (kb < kblocks) {
-      st1 = issue_block<BM, BN, STAGES>(acc1, ring, full, r, a_off, b_off);
+      st1 = issue_block<BM, BN, STAGES>(acc1, full, r, a_lo, b_lo);
       wgmma_wait<1>();
       finish(acc0, st0);
       wgmma_wait<0>();
@@ -451,7 +540,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 #else
 
-template <int BM, int BN, int STAGES>
+template <int BM, int BN, int STAGES, int SUB>
 __global__ void fp8_block_grouped(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
                                   const Params) {}
 
@@ -490,7 +579,7 @@ bool encode(CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer, 
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int BM, int BN, int STAGES>
+template <int BM, int BN, int STAGES, int SUB>
 int run(const void* a, const float* a_scale, const void* w, const float* w_scale, void* out, const int32_t* counts,
         const int32_t* offsets, int capacity, int num_groups, int rows, int n, int k, int swizzle, int raster,
         int sm_count, cudaStream_t stream) {
@@ -510,7 +599,7 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
   if (err != cudaSuccess) return err;
   if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
   if (!opted_in[device]) {
-    err = cudaFuncSetAttribute(fp8_block_grouped<BM, BN, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    err = cudaFuncSetAttribute(fp8_block_grouped<BM, BN, STAGES, SUB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                S::kSmemBytes);
     if (err != cudaSuccess) return err;
     opted_in[device] = true;
@@ -519,25 +608,26 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
   if (!encode(&map_a, a, k, rows, BM) || !encode(&map_w, w, k, uint64_t(num_groups) * n, BN)) {
     return cudaErrorInvalidValue;
   }
-  Params p{a_scale, w_scale, static_cast<__nv_bfloat16*>(out), counts, offsets, capacity, num_groups, rows, n,
+  Params p{a_scale, w_scale, static_cast<__nv_bfloat16*>(out), counts, offsets, capacity, num_groups, n,
            k,       swizzle, raster == 0 ? 1 : raster};
-  fp8_block_grouped<BM, BN, STAGES><<<sm_count, kThreads, S::kSmemBytes, stream>>>(map_a, map_w, p);
+  fp8_block_grouped<BM, BN, STAGES, SUB><<<sm_count, kThreads, S::kSmemBytes, stream>>>(map_a, map_w, p);
   return cudaGetLastError();
 }
 
 }  // namespace sm90_wgmma
 }  // namespace fim
 
-#define FIM_SM90_WGMMA_EXPORT(NAME, BM, BN, STAGES)                                                                   \
+#define FIM_SM90_WGMMA_EXPORT(NAME, BM, BN, STAGES, SUB)                                                              \
   extern "C" int fim_sm90_fp8_block_wgmma_##NAME(const void* a, const float* a_scale, const void* w,                  \
                                                  const float* w_scale, void* out, const int32_t* counts,              \
                                                  const int32_t* offsets, int capacity, int num_groups, int rows,      \
                                                  int n, int k, int swizzle, int raster, int sm_count, void* stream) { \
-    return fim::sm90_wgmma::run<BM, BN, STAGES>(a, a_scale, w, w_scale, out, counts, offsets, capacity, num_groups,   \
-                                                rows, n, k, swizzle, raster, sm_count,                                \
-                                                static_cast<cudaStream_t>(stream));                                   \
+    return fim::sm90_wgmma::run<BM, BN, STAGES, SUB>(a, a_scale, w, w_scale, out, counts, offsets, capacity,          \
+                                                     num_groups, rows, n, k, swizzle, raster, sm_count,               \
+                                                     static_cast<cudaStream_t>(stream));                              \
   }
 
-FIM_SM90_WGMMA_EXPORT(m128n128, 128, 128, 6)
-FIM_SM90_WGMMA_EXPORT(m64n256, 64, 256, 5)
-FIM_SM90_WGMMA_EXPORT(m128n256, 128, 256, 4)
+FIM_SM90_WGMMA_EXPORT(m128n128, 128, 128, 6, 128)
+FIM_SM90_WGMMA_EXPORT(m64n256, 64, 256, 5, 128)
+FIM_SM90_WGMMA_EXPORT(m128n256, 128, 256, 4, 128)
+FIM_SM90_WGMMA_EXPORT(m128n256s64, 128, 256, 4, 64)
