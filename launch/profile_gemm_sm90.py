@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--configs", default=",".join(gemm_sm90.CONFIGS))
     parser.add_argument("--gemm1", action="store_true")
-    parser.add_argument("--once", choices=["contiguous32", "masked16", "masked64"])
+    parser.add_argument("--once", choices=["contiguous32", "masked16", "masked64", "masked128"])
     parser.add_argument("--config", default="coop")
     parser.add_argument("--swizzle", type=int, default=2)
     parser.add_argument("--raster", default="m")
@@ -102,7 +102,7 @@ def main() -> None:
         if args.once == "contiguous32":
             fn, _, _ = contiguous_case(32, 512, 4096, 7168)
         else:
-            fn, _, _ = masked_case(32, 16 if args.once == "masked16" else 64, 4096, 7168)
+            fn, _, _ = masked_case(32, int(args.once[len("masked") :]), 4096, 7168)
         for i in range(3):
             fn(i, args.config, args.swizzle, args.raster)
         torch.cuda.synchronize()

@@ -1,6 +1,6 @@
 """Sweep of the CUTLASS FP8 block-scaled grouped GEMM's configurations and tile orders on the benchmark shapes.
 
-    python launch/tune_gemm_sm90.py [--json FILE] [--configs wg128,coop,...]
+    python launch/tune_gemm_sm90.py [--json FILE] [--configs wg128,coop,...] [--orders 1m,2m,4n]
 
 For every shape of ``bench_gemm.py``'s contiguous and masked tables, times each configuration of
 ``flashinfer_moe.moe.gemm_sm90.CONFIGS`` with each swizzle (1, 2, 4, 8) and raster order (m, n), plus the dense
@@ -61,23 +61,30 @@ def masked_case(num_experts: int, per_expert: int, n: int, k: int, sets: int = 3
     return fn, 2.0 * num_experts * per_expert * n * k, num_experts * n * k
 
 
-def sweep(fn, flops: float, weight_bytes: int, configs: list[str]) -> list[dict]:
+ALL_ORDERS = tuple((swizzle, raster) for swizzle in (1, 2, 4, 8) for raster in ("m", "n"))
+
+
+def sweep(fn, flops: float, weight_bytes: int, configs: list[str], orders=ALL_ORDERS) -> list[dict]:
     rows = []
     for config in configs:
-        for swizzle in (1, 2, 4, 8):
-            for raster in ("m", "n"):
-                us = time_graph(lambda i: fn(i, config, swizzle, raster), calls=5)
-                rows.append(
-                    dict(
-                        config=config,
-                        swizzle=swizzle,
-                        raster=raster,
-                        us=us,
-                        tflops=tflops(flops, us),
-                        weight_tb_s=weight_bytes / (us * 1e-6) / 1e12,
-                    )
-                )
+        for swizzle, raster in orders:
+            us = time_graph(lambda i: fn(i, config, swizzle, raster), calls=5)
+            tb_s = weight_bytes / (us * 1e-6) / 1e12
+            rows.append(
+                dict(config=config, swizzle=swizzle, raster=raster, us=us, tflops=tflops(flops, us), weight_tb_s=tb_s)
+            )
     return sorted(rows, key=lambda r: r["us"])
+
+
+def parse_orders(text: str) -> tuple[tuple[int, str], ...]:
+    """``"1m,2n"`` -> ``((1, "m"), (2, "n"))``."""
+    orders = []
+    for item in text.split(","):
+        swizzle, raster = item[:-1], item[-1:]
+        if not swizzle.isdigit() or (int(swizzle), raster) not in ALL_ORDERS:
+            raise SystemExit(f"--orders: expected items like 1m or 4n (swizzle 1/2/4/8, raster m/n), got {item!r}")
+        orders.append((int(swizzle), raster))
+    return tuple(orders)
 
 
 def _best_per_config(rows: list[dict]) -> list[dict]:
@@ -94,14 +101,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--configs", default=",".join(gemm_sm90.CONFIGS))
+    parser.add_argument("--orders", default=None, help="tile orders to try, e.g. 1m,2m,4n (default: all eight)")
     args = parser.parse_args()
     configs = args.configs.split(",")
+    orders = parse_orders(args.orders) if args.orders else ALL_ORDERS
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     results = []
     for num_experts, per_expert, n, k in CONTIGUOUS:
         fn, dense_fn, flops = contiguous_case(num_experts, per_expert, n, k)
         dense = time_graph(dense_fn, calls=5)
-        rows = sweep(fn, flops, num_experts * n * k, configs)
+        rows = sweep(fn, flops, num_experts * n * k, configs, orders)
         for r in rows:
             r["vs_dense"] = dense / r["us"]
         results.append(
@@ -116,7 +125,7 @@ def main() -> None:
             )
     for num_experts, per_expert, n, k in MASKED:
         fn, flops, weight_bytes = masked_case(num_experts, per_expert, n, k)
-        rows = sweep(fn, flops, weight_bytes, configs)
+        rows = sweep(fn, flops, weight_bytes, configs, orders)
         results.append(dict(layout="masked", experts=num_experts, rows=per_expert, n=n, k=k, sweep=rows))
         print(f"masked {num_experts}x{per_expert} ({n}, {k})", flush=True)
         for r in _best_per_config(rows):

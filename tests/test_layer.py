@@ -368,11 +368,14 @@ def test_gpu_forward_matches_reference(quant, num_tokens, rng):
             routed_scaling_factor=rsf,
             out_dtype=torch.float64,
         )
-        # Dynamic per-tensor scales: GEMM2's input scale is the amax of GEMM1's bf16 output, which one bf16
-        # ulp can move (fp32 accumulation here, float64 in the reference); every FP8 value of GEMM2's input
-        # then rounds afresh. Measured on an H200: 3.2% for one seed at T = 1, 0.25% for the same seed with
-        # the reference given the kernel's scale. Per-128 group scales confine that to one group.
-        tol = 5e-2 if quant == "fp8_tensor" else 2e-2
+        # GEMM2's input is GEMM1's output re-quantized to FP8 (3 mantissa bits), computed in fp32 here and in
+        # float64 by the reference, so values near a rounding boundary land on different FP8 values, and with
+        # few rows (T = 1: 4 rows of I = 256) nothing averages out. Measured on an H200, fp8_block at T = 1
+        # over 61 seeds: median 1.4%, max 2.5%; with the reference's GEMM2 fed the kernel's own FP8 input, max
+        # 0.25%. The dynamic per-tensor scale adds more (the amax of GEMM1's bf16 output, which one bf16 ulp
+        # moves, re-rounding every value): 3.2% for one seed, 0.25% with the kernel's scale. The GEMMs
+        # themselves are held to 2e-2 on identical inputs in test_gemm_gpu.py.
+        tol = 5e-2 if quant == "fp8_tensor" else 3e-2
     err = rel_error(out, ref)
     assert err < tol, f"seed {seed}: relative error {err:.3e} ({quant}, T={num_tokens})"
 
