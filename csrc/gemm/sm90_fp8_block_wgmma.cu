@@ -233,25 +233,21 @@ struct Ring {
   }
 };
 
-// One 128-deep K block of a 64 x 128 tile as one wgmma group into `d`, A and W given by the descriptor low
-// words of their first row in shared memory; the caller waits for it with wgmma_wait and fences `d`.
-__device__ __forceinline__ void issue_group(float (&d)[64], uint32_t a_lo, uint32_t b_lo) {
+// One 128-deep K block of a 64 x N tile (N = 128 with 64 accumulator registers, 64 with 32) as one wgmma
+// group into `d`, A and W given by the descriptor low words of their first row in shared memory; the caller
+// waits for it with wgmma_wait and fences `d`.
+template <int R>
+__device__ __forceinline__ void issue_group(float (&d)[R], uint32_t a_lo, uint32_t b_lo) {
+  static_assert(R == 64 || R == 32, "64 x 128 or 64 x 64");
   fence_regs(d);
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
   for (int ks = 0; ks < kBlockK / 32; ++ks) {
-    wgmma_m64n128k32(d, make_desc(a_lo + 2 * ks), make_desc(b_lo + 2 * ks), ks);
-  }
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-
-// The same for a 64 x 64 tile (64 W rows at `b_lo`).
-__device__ __forceinline__ void issue_group(float (&d)[32], uint32_t a_lo, uint32_t b_lo) {
-  fence_regs(d);
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-  for (int ks = 0; ks < kBlockK / 32; ++ks) {
-    wgmma_m64n64k32(d, make_desc(a_lo + 2 * ks), make_desc(b_lo + 2 * ks), ks);
+    if constexpr (R == 64) {
+      wgmma_m64n128k32(d, make_desc(a_lo + 2 * ks), make_desc(b_lo + 2 * ks), ks);
+    } else {
+      wgmma_m64n64k32(d, make_desc(a_lo + 2 * ks), make_desc(b_lo + 2 * ks), ks);
+    }
   }
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
@@ -416,12 +412,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sc_base = smem_u32(scales);
   uint32_t* store_stage = reinterpret_cast<uint32_t*>(expert_first + kMaxExperts) + (warp - 4) * 256;
   Ring r;
-  if constexpr (S::kWide && SUB == 64) {
-    // Four 64-column quarters per K block through two 32-register accumulators: quarter q is promoted while
-    // quarter q + 1 runs.
-    float fin[128], acc0[32], acc1[32];
+  if constexpr (S::kWide) {
+    // Each warpgroup owns 64 x 256. SUB = 128: two 128-column halves in turn through one accumulator. SUB = 64:
+    // four 64-column quarters through two 32-register accumulators, quarter q promoted while quarter q + 1 runs.
+    float fin[128];
+    [[maybe_unused]] float acc[64], acc0[32], acc1[32];
     // Adds quarter q's product (complete in `d`) into the promoted accumulator.
-    auto add = [&](float (&d)[32], int q, float s_top, float s_low) {
+    [[maybe_unused]] auto add = [&](float (&d)[32], int q, float s_top, float s_low) {
       fence_regs(d);
 #pragma unroll
       for (int i = 0; i < 32; ++i) fin[32 * q + i] = fmaf(d[i], (i & 2) ? s_low : s_top, fin[32 * q + i]);
@@ -437,53 +434,36 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int stage = r.stage;
         bar_wait(&full[stage], r.phase);
         const uint32_t step = stage * (S::kStageBytes >> 4), sc = sc_base + stage * S::kScaleFloats * 4;
-        const uint32_t b = b_lo + step, quarter = (64 * kBlockK) >> 4;
+        const uint32_t a = a_lo + step, b = b_lo + step;
         // Scales first: their shared-memory latency then hides behind the first group's issue.
         const float sa_top = lds(sc + 4 * row_in), sa_low = lds(sc + 4 * (row_in + 8));
-        const float w0 = lds(sc + 4 * BM), w1 = lds(sc + 4 * (BM + 1));
-        issue_group(acc0, a_lo + step, b);
-        issue_group(acc1, a_lo + step, b + quarter);
-        wgmma_wait<1>();
-        add(acc0, 0, sa_top * w0, sa_low * w0);
-        issue_group(acc0, a_lo + step, b + 2 * quarter);
-        wgmma_wait<1>();
-        add(acc1, 1, sa_top * w0, sa_low * w0);
-        issue_group(acc1, a_lo + step, b + 3 * quarter);
-        wgmma_wait<1>();
-        add(acc0, 2, sa_top * w1, sa_low * w1);
-        // The block's last quarter is not overlapped: ptxas serializes every wgmma of the kernel when a group
-        // stays in flight across this loop's back edge here.
-        wgmma_wait<0>();
-        add(acc1, 3, sa_top * w1, sa_low * w1);
-        if (lane == 0) bar_arrive(&empty[stage]);
-        r.template next<STAGES>();
-      }
-      const int row0 = mi * BM + wm + (warp % 4) * 16, col0 = ni * BN;
-      store_tile<32>(fin, p.out + (first + row0) * p.n + col0, p.n, rows - row0, p.n - col0, store_stage, lane);
-    }
-    return;
-  } else if constexpr (S::kWide) {
-    float fin[128], acc[64];
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      int e, mi, ni;
-      locate(p, tile_start, n_tiles, t, e, mi, ni);
-      const int rows = expert_rows[e];
-      const int64_t first = expert_first[e];
-#pragma unroll
-      for (int i = 0; i < 128; ++i) fin[i] = 0.f;
-      for (int kb = 0; kb < kblocks; ++kb) {
-        const int stage = r.stage;
-        bar_wait(&full[stage], r.phase);
-        const uint32_t step = stage * (S::kStageBytes >> 4), sc = sc_base + stage * S::kScaleFloats * 4;
-        const float sa_top = lds(sc + 4 * row_in), sa_low = lds(sc + 4 * (row_in + 8));
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float w = lds(sc + 4 * (BM + h)), s_top = sa_top * w, s_low = sa_low * w;
-          issue_group(acc, a_lo + step, b_lo + step + h * ((128 * kBlockK) >> 4));
+        if constexpr (SUB == 64) {
+          const uint32_t quarter = (64 * kBlockK) >> 4;
+          const float w0 = lds(sc + 4 * BM), w1 = lds(sc + 4 * (BM + 1));
+          issue_group(acc0, a, b);
+          issue_group(acc1, a, b + quarter);
+          wgmma_wait<1>();
+          add(acc0, 0, sa_top * w0, sa_low * w0);
+          issue_group(acc0, a, b + 2 * quarter);
+          wgmma_wait<1>();
+          add(acc1, 1, sa_top * w0, sa_low * w0);
+          issue_group(acc1, a, b + 3 * quarter);
+          wgmma_wait<1>();
+          add(acc0, 2, sa_top * w1, sa_low * w1);
+          // The block's last quarter is not overlapped: ptxas serializes every wgmma of the kernel when a
+          // group stays in flight across this loop's back edge here.
           wgmma_wait<0>();
-          fence_regs(acc);
+          add(acc1, 3, sa_top * w1, sa_low * w1);
+        } else {
 #pragma unroll
-          for (int i = 0; i < 64; ++i) fin[64 * h + i] = fmaf(acc[i], (i & 2) ? s_low : s_top, fin[64 * h + i]);
+          for (int h = 0; h < 2; ++h) {
+            const float w = lds(sc + 4 * (BM + h)), s_top = sa_top * w, s_low = sa_low * w;
+            issue_group(acc, a, b + h * ((128 * kBlockK) >> 4));
+            wgmma_wait<0>();
+            fence_regs(acc);
+#pragma unroll
+            for (int i = 0; i < 64; ++i) fin[64 * h + i] = fmaf(acc[i], (i & 2) ? s_low : s_top, fin[64 * h + i]);
+          }
         }
         if (lane == 0) bar_arrive(&empty[stage]);
         r.template next<STAGES>();
