@@ -29,6 +29,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "sm90_launch.cuh"
 
 namespace fim {
 namespace sm90_grouped {
@@ -36,7 +37,6 @@ namespace sm90_grouped {
 using namespace cute;
 
 constexpr int kScaleBlock = 128;
-constexpr int kMaxDevices = 64;
 
 template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 struct Fp8BlockGrouped {
@@ -205,28 +205,16 @@ int64_t workspace_bytes(int num_groups, int sm_count) {
 
 template <class G>
 int run(const Problem& p, void* workspace, int64_t workspace_size, int sm_count, cudaStream_t stream) {
-  const bool order_ok =
-      (p.swizzle == 1 || p.swizzle == 2 || p.swizzle == 4 || p.swizzle == 8) && p.raster >= 0 && p.raster <= 2;
-  if (p.num_groups < 1 || p.n % kScaleBlock || p.k % kScaleBlock || p.n < 1 || p.k < 1 || sm_count < 1 || !order_ok) {
+  if (p.num_groups < 1 || p.n % kScaleBlock || p.k % kScaleBlock || p.n < 1 || p.k < 1 || sm_count < 1 ||
+      !sm90::valid_order(p.swizzle, p.raster)) {
     return cudaErrorInvalidValue;
   }
   if (reinterpret_cast<uintptr_t>(workspace) % 256 || workspace_size < workspace_bytes<G>(p.num_groups, sm_count)) {
     return cudaErrorInvalidValue;
   }
-  // The kernel needs more than 48 KiB of shared memory. Opting in is a host call, done once per process here,
-  // outside any stream capture that a later call may be part of.
-  // The attribute is per device, so the flag is too.
-  static bool opted_in[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  cudaError_t err =
+      sm90::opt_in_shared_memory<cutlass::device_kernel<typename G::Kernel>>(int(G::Kernel::SharedStorageSize));
   if (err != cudaSuccess) return err;
-  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-  if (!opted_in[device]) {
-    err = cudaFuncSetAttribute(cutlass::device_kernel<typename G::Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               int(G::Kernel::SharedStorageSize));
-    if (err != cudaSuccess) return err;
-    opted_in[device] = true;
-  }
 
   typename G::Groups g{};
   char* base = static_cast<char*>(workspace);

@@ -32,12 +32,13 @@
 
 #include <cstdint>
 
+#include "sm90_launch.cuh"
+
 namespace fim {
 namespace sm90_wgmma {
 
 constexpr int kBlockK = 128;  // K depth of one stage = the scale block
 constexpr int kMaxExperts = 1024;
-constexpr int kMaxDevices = 64;
 constexpr int kThreads = 384;
 constexpr int kMathWarps = 8;
 
@@ -564,26 +565,16 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
         const int32_t* offsets, int capacity, int num_groups, int rows, int n, int k, int swizzle, int raster,
         int sm_count, cudaStream_t stream) {
   using S = Shape<BM, BN, STAGES>;
-  const bool order_ok = (swizzle == 1 || swizzle == 2 || swizzle == 4 || swizzle == 8) && raster >= 0 && raster <= 2;
   if (num_groups < 1 || num_groups > kMaxExperts || rows < 0 || n < kBlockK || k < kBlockK || n % kBlockK ||
-      k % kBlockK || sm_count < 1 || !order_ok || (!offsets && capacity < 0)) {
+      k % kBlockK || sm_count < 1 || !sm90::valid_order(swizzle, raster) || (!offsets && capacity < 0)) {
     return cudaErrorInvalidValue;
   }
   if (int64_t(num_groups) * n >= (int64_t(1) << 31) || int64_t(num_groups) * capacity >= (int64_t(1) << 31)) {
     return cudaErrorInvalidValue;  // TMA coordinates and first rows are 32-bit
   }
   if (rows == 0) return cudaSuccess;
-  static bool opted_in[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  const cudaError_t err = sm90::opt_in_shared_memory<fp8_block_grouped<BM, BN, STAGES, SUB>>(S::kSmemBytes);
   if (err != cudaSuccess) return err;
-  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-  if (!opted_in[device]) {
-    err = cudaFuncSetAttribute(fp8_block_grouped<BM, BN, STAGES, SUB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               S::kSmemBytes);
-    if (err != cudaSuccess) return err;
-    opted_in[device] = true;
-  }
   CUtensorMap map_a, map_w;
   if (!encode(&map_a, a, k, rows, BM) || !encode(&map_w, w, k, uint64_t(num_groups) * n, BN)) {
     return cudaErrorInvalidValue;
