@@ -1,5 +1,5 @@
 """The Hopper FP8 block-scaled grouped GEMMs: CUTLASS's (``csrc/gemm/sm90_fp8_block_grouped*.cu``) and our own
-wgmma kernel (``csrc/gemm/sm90_fp8_block_wgmma.cu``), which promotes one K block behind its wgmma.
+wgmma kernel (``csrc/gemm/sm90_fp8_block_wgmma.cu``); ``pick`` chooses among them by shape.
 
 It serves the block-scaled GEMM on sm_90 GPUs, where it overlaps the per-128 scale promotion with the tensor
 cores better than the Triton kernel can: with bf16 output directly, and with a gated activation (GEMM1) as a
@@ -150,7 +150,7 @@ DEFAULT_ORDERS = {
     "coop_n2": (1, "n"),
     "wg128": (4, "m"),  # never the fastest on the benchmark shapes; kept for the sweeps
     "wg64": (4, "n"),
-    "wg128w": (1, "m"),  # the masked 128-row default until wg128q; kept for the sweeps
+    "wg128w": (1, "m"),
     "wg128q": (2, "m"),
 }
 
