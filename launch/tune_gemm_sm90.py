@@ -1,6 +1,7 @@
 """Sweep of the CUTLASS FP8 block-scaled grouped GEMM's configurations and tile orders on the benchmark shapes.
 
-    python launch/tune_gemm_sm90.py [--json FILE] [--configs wg128,coop,...] [--orders 1m,2m,4n]
+    python launch/tune_gemm_sm90.py [--json FILE] [--configs wg128,coop,...] [--orders 1m,2m,4n] [--repeat R]
+        [--shapes contiguous|masked|all]
 
 For every shape of ``bench_gemm.py``'s contiguous and masked tables, times each configuration of
 ``flashinfer_moe.moe.gemm_sm90.CONFIGS`` with each swizzle (1, 2, 4, 8) and raster order (m, n), plus the dense
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -64,15 +66,30 @@ def masked_case(num_experts: int, per_expert: int, n: int, k: int, sets: int = 3
 ALL_ORDERS = tuple((swizzle, raster) for swizzle in (1, 2, 4, 8) for raster in ("m", "n"))
 
 
-def sweep(fn, flops: float, weight_bytes: int, configs: list[str], orders=ALL_ORDERS) -> list[dict]:
+def sweep(fn, flops: float, weight_bytes: int, configs: list[str], orders=ALL_ORDERS, repeat: int = 1) -> list[dict]:
+    """Times every (config, order) ``repeat`` times, the passes alternating the configs' order so that drift
+    during the run does not favour one of them; each row keeps the median and every time."""
+    times = {}
+    for rep in range(repeat):
+        for config in configs if rep % 2 == 0 else configs[::-1]:
+            for swizzle, raster in orders:
+                us = time_graph(lambda i: fn(i, config, swizzle, raster), calls=5)
+                times.setdefault((config, swizzle, raster), []).append(us)
     rows = []
-    for config in configs:
-        for swizzle, raster in orders:
-            us = time_graph(lambda i: fn(i, config, swizzle, raster), calls=5)
-            tb_s = weight_bytes / (us * 1e-6) / 1e12
-            rows.append(
-                dict(config=config, swizzle=swizzle, raster=raster, us=us, tflops=tflops(flops, us), weight_tb_s=tb_s)
+    for (config, swizzle, raster), all_us in times.items():
+        us = statistics.median(all_us)
+        tb_s = weight_bytes / (us * 1e-6) / 1e12
+        rows.append(
+            dict(
+                config=config,
+                swizzle=swizzle,
+                raster=raster,
+                us=us,
+                us_all=all_us,
+                tflops=tflops(flops, us),
+                weight_tb_s=tb_s,
             )
+        )
     return sorted(rows, key=lambda r: r["us"])
 
 
@@ -102,15 +119,21 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--configs", default=",".join(gemm_sm90.CONFIGS))
     parser.add_argument("--orders", default=None, help="tile orders to try, e.g. 1m,2m,4n (default: all eight)")
+    parser.add_argument("--repeat", type=int, default=1, help="passes over the configs (median kept), default 1")
+    parser.add_argument("--shapes", default="all", help="contiguous, masked or all (default)")
     args = parser.parse_args()
     configs = args.configs.split(",")
     orders = parse_orders(args.orders) if args.orders else ALL_ORDERS
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     results = []
-    for num_experts, per_expert, n, k in CONTIGUOUS:
+    if args.repeat < 1 or args.shapes not in ("contiguous", "masked", "all"):
+        raise SystemExit(
+            f"--repeat must be >= 1 and --shapes one of contiguous, masked, all: {args.repeat}, {args.shapes}"
+        )
+    for num_experts, per_expert, n, k in CONTIGUOUS if args.shapes != "masked" else ():
         fn, dense_fn, flops = contiguous_case(num_experts, per_expert, n, k)
         dense = time_graph(dense_fn, calls=5)
-        rows = sweep(fn, flops, num_experts * n * k, configs, orders)
+        rows = sweep(fn, flops, num_experts * n * k, configs, orders, args.repeat)
         for r in rows:
             r["vs_dense"] = dense / r["us"]
         results.append(
@@ -123,9 +146,9 @@ def main() -> None:
                 f"{r['vs_dense']:.3f}x dense",
                 flush=True,
             )
-    for num_experts, per_expert, n, k in MASKED:
+    for num_experts, per_expert, n, k in MASKED if args.shapes != "contiguous" else ():
         fn, flops, weight_bytes = masked_case(num_experts, per_expert, n, k)
-        rows = sweep(fn, flops, weight_bytes, configs, orders)
+        rows = sweep(fn, flops, weight_bytes, configs, orders, args.repeat)
         results.append(dict(layout="masked", experts=num_experts, rows=per_expert, n=n, k=k, sweep=rows))
         print(f"masked {num_experts}x{per_expert} ({n}, {k})", flush=True)
         for r in _best_per_config(rows):

@@ -7,6 +7,7 @@ from gemm_cases import FP8, KINDS, contiguous_layout, make_activations, make_wei
 import flashinfer_moe as fm
 from flashinfer_moe import reference as ref
 from flashinfer_moe.moe.gemm_sm90 import CONFIGS as CUTLASS_CONFIGS
+from flashinfer_moe.moe.gemm_sm90 import WGMMA_CONFIGS
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -213,6 +214,30 @@ def test_fp8_block_cutlass_masked(rng, config):
         if c:
             assert rel_err(out[e, :c], want[e, :c]) < 2e-2, (seed, e)
         assert out[e, c:].isnan().all(), (e, c)
+
+
+@pytest.mark.parametrize("config", list(WGMMA_CONFIGS))
+@pytest.mark.parametrize("k", [128, 256, 640])
+def test_fp8_block_wgmma_several_tiles_per_cta(rng, config, k):
+    """More tiles than SMs, so each CTA stores a tile while it computes its next one and only then hands the
+    stages holding the stored rows back to its loads; K of 1, 2 and 5 blocks (a tile's held stages are then
+    all, or some, of its blocks, or too few and the rows are stored in place)."""
+    gemm_sm90 = _cutlass()
+    seed, g = rng
+    counts, n = [700, 3, 0, 517, 260, 129, 1000], 3072
+    layout = contiguous_layout(counts, 128, DEV)
+    a, a_scale = make_activations("fp8_block", (layout.num_rows,), k, g, DEV)
+    w, w_scale = make_weights("fp8_block", len(counts), n, k, g, DEV)
+    out = _poisoned((layout.num_rows, n), torch.bfloat16)
+    gemm_sm90.launch(a, a_scale, w, w_scale, out, layout.tokens_per_expert, layout.expert_offsets, None, config)
+    torch.cuda.synchronize()
+    owned = owned_rows(layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu(), layout.num_rows)
+    want = reference(a, a_scale, w, w_scale, layout.tokens_per_expert, layout.expert_offsets).cpu()[owned]
+    got = out.cpu()[owned].double()
+    # Row by row, so that one tile stored from the wrong place cannot hide in the norm of the whole.
+    row_err = (got - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-30)
+    assert row_err.max().item() < 2e-2, (seed, row_err.argmax().item())
+    assert out.cpu()[~owned].isnan().all(), "padding rows must keep the poison"
 
 
 def test_fp8_block_default_is_cutlass_on_sm90_and_matches_triton(rng, monkeypatch):

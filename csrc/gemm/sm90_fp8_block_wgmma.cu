@@ -24,7 +24,9 @@
 // Four tile shapes: 128 x 128 (the warpgroups split the rows; each keeps two accumulators and promotes
 // block kb - 1 while block kb runs), 64 x 256 (they split the columns, same scheme: decode-sized groups),
 // 128 x 256 (they split the rows; each runs its two column halves in turn), and 128 x 256 in 64-column
-// quarters (SUB = 64: two small accumulators, quarter q promoted while quarter q + 1 runs).
+// quarters (SUB = 64: two small accumulators, quarter q promoted while quarter q + 1 runs). The 128 x 256
+// halves variant stores asynchronously instead (ASYNC): its rows are staged in ring stages it holds back from
+// the producer and leave by bulk copies while the next tile's mainloop runs.
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -116,6 +118,33 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
           smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(inner), "r"(outer)
       : "memory");
+}
+
+// Copies `bytes` (a multiple of 16) from shared to global memory through the bulk-copy engine, asynchronously:
+// the warp goes on while the engine reads the staged rows and writes them out.
+__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Returns once this thread's bulk copies have read their shared-memory source (not once they are written).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+__device__ __forceinline__ void sts(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
 }
 
 // Shared-memory matrix descriptor of a K-major tile stored as 128-byte rows with the 128-byte swizzle (what
@@ -274,38 +303,67 @@ __device__ __forceinline__ void promote(float (&fin)[64], float (&d)[64], float 
   for (int i = 0; i < 64; ++i) fin[i] = fmaf(d[i], (i & 2) ? s_low : s_top, fin[i]);
 }
 
-// Stores a warp's 16 rows x (8 * CHUNKS) accumulator columns as bf16 through a 1 KiB staging buffer of its own,
-// 32 columns at a time, so that each global store writes whole 64-byte row segments (16 bytes per lane).
-// `out` points at the warp's first row and column; rows from `valid_rows` on (the expert's end) and columns
-// from `cols` on (N) are skipped.
+// Stores a warp's 16 rows x (8 * CHUNKS) accumulator columns as bf16 through a 1 KiB staging buffer of its own
+// (shared address `stage`), 32 columns at a time, so that each global store writes whole 64-byte row segments
+// (16 bytes per lane). A row's four 16-byte segments sit in the buffer rotated by (row / 2) % 4, which puts the
+// 32 words a store instruction writes, and the 8 segments a quarter-warp reads back, in distinct banks. `out`
+// points at the warp's first row and column; rows from `valid_rows` on (the expert's end) and columns from
+// `cols` on (N) are skipped.
 template <int CHUNKS>
 __device__ __forceinline__ void store_tile(const float* fin, __nv_bfloat16* out, int64_t ld, int valid_rows, int cols,
-                                           uint32_t* stage, int lane) {
+                                           uint32_t stage, int lane) {
   static_assert(CHUNKS % 4 == 0, "32 columns per pass");
-  const int row = lane / 4, pair = lane % 4;
+  const int row = lane / 4, pair = lane % 4, rot = (row >> 1) & 3;  // rows r and r + 8 share the rotation
+  const uint32_t top = stage + (row * 16 + pair) * 4, low = top + 8 * 16 * 4;
 #pragma unroll
   for (int pass = 0; pass < CHUNKS / 4; ++pass) {
     if (32 * pass >= cols) break;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float* f = fin + 4 * (4 * pass + j);
-      __nv_bfloat162 top = __floats2bfloat162_rn(f[0], f[1]), low = __floats2bfloat162_rn(f[2], f[3]);
-      stage[row * 16 + 4 * j + pair] = *reinterpret_cast<uint32_t*>(&top);  // [16 rows][16 words]
-      stage[(row + 8) * 16 + 4 * j + pair] = *reinterpret_cast<uint32_t*>(&low);
+      __nv_bfloat162 t = __floats2bfloat162_rn(f[0], f[1]), l = __floats2bfloat162_rn(f[2], f[3]);
+      sts(top + 16 * (j ^ rot), *reinterpret_cast<uint32_t*>(&t));
+      sts(low + 16 * (j ^ rot), *reinterpret_cast<uint32_t*>(&l));
     }
     __syncwarp();
 #pragma unroll
     for (int it = 0; it < 2; ++it) {
       const int q = lane + 32 * it, r = q / 4, seg = q % 4;  // 4 segments of 16 bytes per row
       if (r < valid_rows) {
-        *reinterpret_cast<uint4*>(out + r * ld + 32 * pass + 8 * seg) = reinterpret_cast<const uint4*>(stage)[q];
+        const uint4 v = lds128(stage + r * 64 + 16 * (seg ^ ((r >> 1) & 3)));
+        *reinterpret_cast<uint4*>(out + r * ld + 32 * pass + 8 * seg) = v;
       }
     }
     __syncwarp();
   }
 }
 
-template <int BM, int BN, int STAGES, int SUB>
+// The asynchronous form of store_tile: the warp's 16 rows x COLS columns go to shared memory as bf16 rows of
+// COLS * 2 + 16 bytes at `region` (the padding puts a store's 8 rows in different banks), then each valid row
+// leaves in one bulk copy, which the warp does not wait for. The caller waits with bulk_wait_read before the
+// region is written again.
+template <int COLS>
+__device__ __forceinline__ void store_tile_async(const float* fin, uint32_t region, __nv_bfloat16* out, int64_t ld,
+                                                 int valid_rows, int cols, int lane) {
+  constexpr uint32_t kPitch = COLS * 2 + 16;
+  const uint32_t top = region + (lane / 4) * kPitch + (lane % 4) * 4, low = top + 8 * kPitch;
+#pragma unroll
+  for (int c = 0; c < COLS / 8; ++c) {
+    const float* f = fin + 4 * c;
+    __nv_bfloat162 t = __floats2bfloat162_rn(f[0], f[1]), l = __floats2bfloat162_rn(f[2], f[3]);
+    sts(top + 16 * c, *reinterpret_cast<uint32_t*>(&t));
+    sts(low + 16 * c, *reinterpret_cast<uint32_t*>(&l));
+  }
+  // The bulk copy reads through the async proxy: make the generic stores above visible to it.
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncwarp();
+  if (lane < 16 && lane < valid_rows && cols > 0) {
+    bulk_store(out + lane * ld, region + lane * kPitch, (cols < COLS ? cols : COLS) * 2);
+  }
+  bulk_commit();
+}
+
+template <int BM, int BN, int STAGES, int SUB, bool ASYNC>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_block_grouped(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                       const Params p) {
@@ -411,11 +469,45 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t ring_lo = desc_lo(smem_u32(ring));
   const uint32_t a_lo = ring_lo + ((wm * kBlockK) >> 4), b_lo = ring_lo + ((S::kABytes + wn * kBlockK) >> 4);
   const uint32_t sc_base = smem_u32(scales);
-  uint32_t* store_stage = reinterpret_cast<uint32_t*>(expert_first + kMaxExperts) + (warp - 4) * 256;
+  const uint32_t store_stage = smem_u32(expert_first + kMaxExperts) + (warp - 4) * 1024;
   Ring r;
   if constexpr (S::kWide) {
     // Each warpgroup owns 64 x 256. SUB = 128: two 128-column halves in turn through one accumulator. SUB = 64:
     // four 64-column quarters through two 32-register accumulators, quarter q promoted while quarter q + 1 runs.
+    // The asynchronous epilogue (ASYNC): each math warp stages its 16 x 256 of the tile in the ring stages of
+    // the tile's last kHold K blocks, which it keeps from the producer until its bulk copies have read them. The
+    // release comes once the next tile's second block is issued (its first STAGES - kHold blocks load
+    // meanwhile), so the stores overlap the next tile's mainloop instead of idling the tensor cores. Measured
+    // slower for the quarters and for the 64 x 128-per-warpgroup tiles (docs/perf.md), so those store in place.
+    static_assert(!ASYNC || SUB == 128, "the asynchronous epilogue is built for the halves variant only");
+    constexpr int kRegion = 16 * (256 * 2 + 16);  // a warp's rows, padded (store_tile_async)
+    constexpr int kPerStage = S::kStageBytes / kRegion;
+    constexpr int kHold = (kMathWarps + kPerStage - 1) / kPerStage;
+    static_assert(kHold <= 2 && kHold + 2 <= STAGES, "the held stages must leave the next tile two to load into");
+    const bool async_out = ASYNC && kblocks >= kHold;
+    const int release_at = kblocks > 1 ? 1 : 0;
+    const int mwarp = warp - 4;
+    // Stages a byte each: `held` collects this tile's, `copying` (with kCopying set) the previous tile's until
+    // they are released, which may come after this tile has begun holding.
+    constexpr uint32_t kCopying = 1u << 31;
+    uint32_t held = 0, copying = 0;
+    // Whether block kb's stage is held for the epilogue (else the caller hands it back).
+    auto hold = [&](int kb, int stage) {
+      const int j = kb - (kblocks - kHold);
+      if (!async_out || j < 0) return false;
+      held |= uint32_t(stage) << (8 * j);
+      return true;
+    };
+    auto release = [&]() {
+      if (!(copying & kCopying)) return;
+      bulk_wait_read();
+      __syncwarp();
+      if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < kHold; ++j) bar_arrive(&empty[(copying >> (8 * j)) & 0xff]);
+      }
+      copying = 0;
+    };
     float fin[128];
     [[maybe_unused]] float acc[64], acc0[32], acc1[32];
     // Adds quarter q's product (complete in `d`) into the promoted accumulator.
@@ -460,18 +552,32 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int h = 0; h < 2; ++h) {
             const float w = lds(sc + 4 * (BM + h)), s_top = sa_top * w, s_low = sa_low * w;
             issue_group(acc, a, b + h * ((128 * kBlockK) >> 4));
+            if (h == 0 && kb == release_at) release();
             wgmma_wait<0>();
             fence_regs(acc);
 #pragma unroll
             for (int i = 0; i < 64; ++i) fin[64 * h + i] = fmaf(acc[i], (i & 2) ? s_low : s_top, fin[64 * h + i]);
           }
         }
-        if (lane == 0) bar_arrive(&empty[stage]);
+        if (!hold(kb, stage) && lane == 0) bar_arrive(&empty[stage]);
         r.template next<STAGES>();
       }
       const int row0 = mi * BM + wm + (warp % 4) * 16, col0 = ni * BN;
-      store_tile<32>(fin, p.out + (first + row0) * p.n + col0, p.n, rows - row0, p.n - col0, store_stage, lane);
+      __nv_bfloat16* dst = p.out + (first + row0) * p.n + col0;
+      if (async_out) {
+        // Both warpgroups must be done reading the held stages before either writes into them.
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+        const uint32_t stage = (held >> (8 * (mwarp / kPerStage))) & 0xff;
+        const uint32_t region = smem_u32(ring) + stage * S::kStageBytes + (mwarp % kPerStage) * kRegion;
+        store_tile_async<256>(fin, region, dst, p.n, rows - row0, p.n - col0, lane);
+        copying = held | kCopying;
+        held = 0;
+      } else {
+        store_tile<32>(fin, dst, p.n, rows - row0, p.n - col0, store_stage, lane);
+      }
     }
+    release();
+    bulk_wait_all();  // the kernel is done when its rows are written
     return;
   }
   float fin[64], acc0[64], acc1[64];
@@ -513,7 +619,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       finish(acc0, st0);
     }
-
     const int row0 = mi * BM + wm + (warp % 4) * 16, col0 = ni * BN + wn;
     store_tile<16>(fin, p.out + (first + row0) * p.n + col0, p.n, rows - row0, p.n - col0, store_stage, lane);
   }
@@ -521,7 +626,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 #else
 
-template <int BM, int BN, int STAGES, int SUB>
+template <int BM, int BN, int STAGES, int SUB, bool ASYNC>
 __global__ void fp8_block_grouped(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
                                   const Params) {}
 
@@ -560,7 +665,7 @@ bool encode(CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer, 
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int BM, int BN, int STAGES, int SUB>
+template <int BM, int BN, int STAGES, int SUB, bool ASYNC>
 int run(const void* a, const float* a_scale, const void* w, const float* w_scale, void* out, const int32_t* counts,
         const int32_t* offsets, int capacity, int num_groups, int rows, int n, int k, int swizzle, int raster,
         int sm_count, cudaStream_t stream) {
@@ -573,7 +678,7 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
     return cudaErrorInvalidValue;  // TMA coordinates and first rows are 32-bit
   }
   if (rows == 0) return cudaSuccess;
-  const cudaError_t err = sm90::opt_in_shared_memory<fp8_block_grouped<BM, BN, STAGES, SUB>>(S::kSmemBytes);
+  const cudaError_t err = sm90::opt_in_shared_memory<fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC>>(S::kSmemBytes);
   if (err != cudaSuccess) return err;
   CUtensorMap map_a, map_w;
   if (!encode(&map_a, a, k, rows, BM) || !encode(&map_w, w, k, uint64_t(num_groups) * n, BN)) {
@@ -581,24 +686,25 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
   }
   Params p{a_scale, w_scale, static_cast<__nv_bfloat16*>(out), counts, offsets, capacity, num_groups, n,
            k,       swizzle, raster == 0 ? 1 : raster};
-  fp8_block_grouped<BM, BN, STAGES, SUB><<<sm_count, kThreads, S::kSmemBytes, stream>>>(map_a, map_w, p);
+  fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC><<<sm_count, kThreads, S::kSmemBytes, stream>>>(map_a, map_w, p);
   return cudaGetLastError();
 }
 
 }  // namespace sm90_wgmma
 }  // namespace fim
 
-#define FIM_SM90_WGMMA_EXPORT(NAME, BM, BN, STAGES, SUB)                                                              \
+#define FIM_SM90_WGMMA_EXPORT(NAME, BM, BN, STAGES, SUB, ASYNC)                                                       \
   extern "C" int fim_sm90_fp8_block_wgmma_##NAME(const void* a, const float* a_scale, const void* w,                  \
                                                  const float* w_scale, void* out, const int32_t* counts,              \
                                                  const int32_t* offsets, int capacity, int num_groups, int rows,      \
                                                  int n, int k, int swizzle, int raster, int sm_count, void* stream) { \
-    return fim::sm90_wgmma::run<BM, BN, STAGES, SUB>(a, a_scale, w, w_scale, out, counts, offsets, capacity,          \
-                                                     num_groups, rows, n, k, swizzle, raster, sm_count,               \
-                                                     static_cast<cudaStream_t>(stream));                              \
+    return fim::sm90_wgmma::run<BM, BN, STAGES, SUB, ASYNC>(a, a_scale, w, w_scale, out, counts, offsets, capacity,   \
+                                                            num_groups, rows, n, k, swizzle, raster, sm_count,        \
+                                                            static_cast<cudaStream_t>(stream));                       \
   }
 
-FIM_SM90_WGMMA_EXPORT(m128n128, 128, 128, 6, 128)
-FIM_SM90_WGMMA_EXPORT(m64n256, 64, 256, 5, 128)
-FIM_SM90_WGMMA_EXPORT(m128n256, 128, 256, 4, 128)
-FIM_SM90_WGMMA_EXPORT(m128n256s64, 128, 256, 4, 64)
+// The asynchronous epilogue only where it measured faster (docs/perf.md): 128 x 256 in halves.
+FIM_SM90_WGMMA_EXPORT(m128n128, 128, 128, 6, 128, false)
+FIM_SM90_WGMMA_EXPORT(m64n256, 64, 256, 5, 128, false)
+FIM_SM90_WGMMA_EXPORT(m128n256, 128, 256, 4, 128, true)
+FIM_SM90_WGMMA_EXPORT(m128n256s64, 128, 256, 4, 64, false)
