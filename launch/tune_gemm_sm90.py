@@ -1,17 +1,19 @@
 """Sweep of the CUTLASS FP8 block-scaled grouped GEMM's configurations and tile orders on the benchmark shapes.
 
     python launch/tune_gemm_sm90.py [--json FILE] [--configs wg128,coop,...] [--orders 1m,2m,4n] [--repeat R]
-        [--shapes contiguous|masked|all]
+        [--shapes contiguous|masked|routed|all]
 
 For every shape of ``bench_gemm.py``'s contiguous and masked tables, times each configuration of
 ``flashinfer_moe.moe.gemm_sm90.CONFIGS`` with each swizzle (1, 2, 4, 8) and raster order (m, n), plus the dense
-``torch._scaled_mm`` baseline of the same FLOPs, all in this run; prints the best few per shape. The table in
-``gemm_sm90.pick`` is written from its output.
+``torch._scaled_mm`` baseline of the same FLOPs, all in this run; prints the best few per shape. ``--shapes
+routed`` times contiguous groups as random top-8 routing makes them instead (uneven; about 128 rows per expert
+unless ``--routed E:tokens,...`` says otherwise). The table in ``gemm_sm90.pick`` is written from its output.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -28,13 +30,25 @@ from flashinfer_moe.moe import gemm_sm90  # noqa: E402
 DEV = "cuda"
 CONTIGUOUS = ((8, 4096, 4096, 7168), (8, 4096, 7168, 2048), (32, 512, 4096, 7168), (32, 512, 7168, 2048))
 MASKED = ((32, 16, 4096, 7168), (32, 64, 4096, 7168), (32, 128, 4096, 7168))
+# Contiguous groups as random top-8 routing makes them (uneven): (E, tokens), each at the two (N, K) of
+# DeepSeek-V3's layer; about 128 rows per expert.
+ROUTED = ((256, 4096), (64, 1024))
+ROUTED_NK = ((4096, 7168), (7168, 2048))
 
 
-def contiguous_case(num_experts: int, per_expert: int, n: int, k: int):
-    """``(fn(i, config, swizzle, raster), dense_fn(i), flops)`` of one contiguous shape; ``dense_fn`` is the
-    rowwise ``_scaled_mm`` of the same FLOPs."""
-    m = num_experts * per_expert
-    layout = _layout([per_expert] * num_experts)
+def routed_counts(num_experts: int, tokens: int, top_k: int, seed: int = 0) -> list[int]:
+    """Rows per expert when each token picks ``top_k`` distinct experts uniformly at random."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(tokens, num_experts, generator=g).topk(top_k, dim=1).indices
+    return torch.bincount(ids.flatten(), minlength=num_experts).tolist()
+
+
+def contiguous_case(num_experts: int, per_expert: int, n: int, k: int, counts: list[int] | None = None):
+    """``(fn(i, config, swizzle, raster), dense_fn(i), flops)`` of one contiguous shape (``per_expert`` rows each,
+    or ``counts``); ``dense_fn`` is the rowwise ``_scaled_mm`` of the same FLOPs."""
+    counts = counts or [per_expert] * num_experts
+    m = sum(counts)
+    layout = _layout(counts)
     a, a_s = _fp8_rows(m, k)
     w, w_s = _fp8_weights(num_experts, n, k)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
@@ -120,17 +134,51 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(gemm_sm90.CONFIGS))
     parser.add_argument("--orders", default=None, help="tile orders to try, e.g. 1m,2m,4n (default: all eight)")
     parser.add_argument("--repeat", type=int, default=1, help="passes over the configs (median kept), default 1")
-    parser.add_argument("--shapes", default="all", help="contiguous, masked or all (default)")
+    parser.add_argument("--routed", default=None, help="E:tokens pairs for --shapes routed, e.g. 256:8192,64:2048")
+    parser.add_argument("--shapes", default="all", help="contiguous, masked, routed or all (default: the first two)")
     args = parser.parse_args()
     configs = args.configs.split(",")
     orders = parse_orders(args.orders) if args.orders else ALL_ORDERS
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     results = []
-    if args.repeat < 1 or args.shapes not in ("contiguous", "masked", "all"):
+    if args.repeat < 1 or args.shapes not in ("contiguous", "masked", "routed", "all"):
         raise SystemExit(
-            f"--repeat must be >= 1 and --shapes one of contiguous, masked, all: {args.repeat}, {args.shapes}"
+            f"--repeat must be >= 1 and --shapes one of contiguous, masked, routed, all: {args.repeat}, {args.shapes}"
         )
-    for num_experts, per_expert, n, k in CONTIGUOUS if args.shapes != "masked" else ():
+    routed = [tuple(map(int, item.split(":"))) for item in args.routed.split(",")] if args.routed else ROUTED
+    for (num_experts, tokens), (n, k) in itertools.product(routed, ROUTED_NK) if args.shapes == "routed" else ():
+        top_k = 8
+        counts = routed_counts(num_experts, tokens, top_k)
+        fn, dense_fn, flops = contiguous_case(num_experts, 0, n, k, counts)
+        dense = time_graph(dense_fn, calls=5)
+        rows = sweep(fn, flops, num_experts * n * k, configs, orders, args.repeat)
+        for r in rows:
+            r["vs_dense"] = dense / r["us"]
+        results.append(
+            dict(
+                layout="routed",
+                experts=num_experts,
+                tokens=tokens,
+                top_k=top_k,
+                counts=counts,
+                n=n,
+                k=k,
+                dense_us=dense,
+                sweep=rows,
+            )
+        )
+        print(
+            f"routed E={num_experts} T={tokens} top-{top_k} ({n}, {k}), rows per expert {min(counts)}-{max(counts)}:"
+            f" dense {tflops(flops, dense):.0f} TFLOP/s",
+            flush=True,
+        )
+        for r in _best_per_config(rows):
+            print(
+                f"   {r['config']:9s} swizzle {r['swizzle']} raster {r['raster']}: {r['tflops']:.0f} TFLOP/s, "
+                f"{r['vs_dense']:.3f}x dense",
+                flush=True,
+            )
+    for num_experts, per_expert, n, k in CONTIGUOUS if args.shapes in ("contiguous", "all") else ():
         fn, dense_fn, flops = contiguous_case(num_experts, per_expert, n, k)
         dense = time_graph(dense_fn, calls=5)
         rows = sweep(fn, flops, num_experts * n * k, configs, orders, args.repeat)
@@ -146,7 +194,7 @@ def main() -> None:
                 f"{r['vs_dense']:.3f}x dense",
                 flush=True,
             )
-    for num_experts, per_expert, n, k in MASKED if args.shapes != "contiguous" else ():
+    for num_experts, per_expert, n, k in MASKED if args.shapes in ("masked", "all") else ():
         fn, flops, weight_bytes = masked_case(num_experts, per_expert, n, k)
         rows = sweep(fn, flops, weight_bytes, configs, orders, args.repeat)
         results.append(dict(layout="masked", experts=num_experts, rows=per_expert, n=n, k=k, sweep=rows))

@@ -140,6 +140,10 @@ def split_activation(rows: int, num_experts: int, capacity: int | None) -> bool:
     return _rows_per_expert(rows, num_experts, capacity) >= SPLIT_MIN_ROWS_PER_EXPERT
 
 
+# Contiguous groups up to this mean size take the 64-row tiles: with random top-8 routing (uneven groups) they
+# led the 128-row ones at means of 128 and 192 rows, and trailed them at 256 (docs/perf.md).
+CONTIGUOUS_WG64_MAX_ROWS = 192
+
 # Most experts the wgmma kernel takes (its per-expert tables live in shared memory).
 WGMMA_MAX_EXPERTS = 1024
 
@@ -162,10 +166,12 @@ def pick(rows: int, num_experts: int, capacity: int | None, n: int, k: int) -> t
     ours = num_experts <= WGMMA_MAX_EXPERTS
     if per_expert <= 64:  # weight-bandwidth bound: 64-row tiles waste fewer rows, 256 columns stream more
         return ("wg64", *DEFAULT_ORDERS["wg64"]) if ours else ("pingpong", 2, "m")
-    if per_expert <= 128:
-        # Measured on the masked layout only (every slot used); contiguous groups of this mean size vary
-        # around it and keep the CUTLASS kernel.
-        return ("wg128q", *DEFAULT_ORDERS["wg128q"]) if ours and capacity is not None else ("coop", 1, "n")
+    if capacity is not None and per_expert <= 128:  # masked, every slot a row to compute
+        return ("wg128q", *DEFAULT_ORDERS["wg128q"]) if ours else ("coop", 1, "n")
+    if capacity is None and per_expert <= CONTIGUOUS_WG64_MAX_ROWS:
+        # Routed groups of this mean size are uneven: 64-row tiles leave less of the last tile of each group
+        # empty than 128-row ones (launch/tune_gemm_sm90.py --shapes routed).
+        return ("wg64", 1, "m") if ours else ("coop", 1, "n")
     if n >= 2 * k and per_expert >= 1024:  # few, large groups with wide N: CUTLASS's activation multicast
         return "coop_n2", 1, "n"
     return ("wg128w", *DEFAULT_ORDERS["wg128w"]) if ours else ("coop", 2, "m")

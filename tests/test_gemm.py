@@ -344,11 +344,15 @@ def test_fused_moe_bad_input(generator):
         (32 * 16, 32, 16, 4096, 7168, "wg64"),  # masked decode
         (256 * 4, 256, None, 4096, 7168, "wg64"),  # contiguous, few rows per expert
         (32 * 128, 32, 128, 4096, 7168, "wg128q"),  # masked, 128 rows
-        (32 * 128, 32, None, 4096, 7168, "coop"),  # contiguous of the same mean size
+        (32 * 128, 32, None, 4096, 7168, "wg64"),  # contiguous of the same mean size: uneven when routed
+        (256 * 192, 256, None, 7168, 2048, "wg64"),
+        (256 * 193, 256, None, 7168, 2048, "wg128w"),
+        (32 * 200, 32, 200, 4096, 7168, "wg128w"),  # masked above 128 rows
         (32 * 512, 32, None, 4096, 7168, "wg128w"),
         (32 * 512, 32, None, 7168, 2048, "wg128w"),
         (8 * 4096, 8, None, 7168, 2048, "coop_n2"),
         (2048 * 512, 2048, None, 4096, 7168, "coop"),  # more experts than the wgmma kernel's tables hold
+        (2048 * 128, 2048, None, 4096, 7168, "coop"),
         (2048 * 16, 2048, 16, 4096, 7168, "pingpong"),  # more experts than the wgmma kernel's tables hold
     ],
 )

@@ -260,18 +260,19 @@ def test_fp8_block_default_is_cutlass_on_sm90_and_matches_triton(rng, monkeypatc
 def test_fp8_block_without_cutlass_headers_takes_the_wgmma_kernel(rng, monkeypatch):
     gemm_sm90 = _cutlass()
     seed, g = rng
-    layout = contiguous_layout([100, 0, 90, 131], 1, DEV)  # 80 rows per expert: CUTLASS's coop by pick
-    assert gemm_sm90.pick(layout.num_rows, 4, None, 256, 512)[0] in gemm_sm90.CUTLASS_CONFIGS
-    a, a_scale = make_activations("fp8_block", (layout.num_rows,), 512, g, DEV)
-    w, w_scale = make_weights("fp8_block", 4, 256, 512, g, DEV)
+    n, k = 1024, 256
+    layout = contiguous_layout([1100, 0, 1300, 1731], 1, DEV)  # 1032 rows per expert, N >= 2K: coop_n2 by pick
+    assert gemm_sm90.pick(layout.num_rows, 4, None, n, k)[0] in gemm_sm90.CUTLASS_CONFIGS
+    a, a_scale = make_activations("fp8_block", (layout.num_rows,), k, g, DEV)
+    w, w_scale = make_weights("fp8_block", 4, n, k, g, DEV)
 
     def no_cutlass():
         raise AssertionError("the CUTLASS library was loaded")
 
     monkeypatch.setattr(gemm_sm90, "_headers_found", lambda: False)
     monkeypatch.setattr(gemm_sm90, "_lib", no_cutlass)
-    assert gemm_sm90.usable(a, w, None, a_scale, w_scale, 256, 512)
-    out = _poisoned((layout.num_rows, 256), torch.bfloat16)
+    assert gemm_sm90.usable(a, w, None, a_scale, w_scale, n, k)
+    out = _poisoned((layout.num_rows, n), torch.bfloat16)
     fm.grouped_gemm_fp8_block_contiguous(a, a_scale, w, w_scale, layout, out=out)
     want = reference(a, a_scale, w, w_scale, layout.tokens_per_expert, layout.expert_offsets)
     assert rel_err(out.cpu(), want.cpu()) < 2e-2, seed
