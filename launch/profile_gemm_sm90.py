@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--configs", default=",".join(gemm_sm90.CONFIGS))
     parser.add_argument("--gemm1", action="store_true")
-    parser.add_argument("--once", choices=["contiguous32", "masked16", "masked64", "masked128"])
+    parser.add_argument("--once", choices=["contiguous32", "contiguous32n", "masked16", "masked64", "masked128"])
     parser.add_argument("--config", default="coop")
     parser.add_argument("--swizzle", type=int, default=2)
     parser.add_argument("--raster", default="m")
@@ -99,8 +99,8 @@ def main() -> None:
         gemm1(args.json)
         return
     if args.once:
-        if args.once == "contiguous32":
-            fn, _, _ = contiguous_case(32, 512, 4096, 7168)
+        if args.once.startswith("contiguous32"):  # 32 x 512 rows at (4096, 7168), or (7168, 2048) with the n
+            fn, _, _ = contiguous_case(32, 512, *((7168, 2048) if args.once.endswith("n") else (4096, 7168)))
         else:
             fn, _, _ = masked_case(32, int(args.once[len("masked") :]), 4096, 7168)
         for i in range(3):

@@ -26,7 +26,7 @@
 // 128 x 256 (they split the rows; each runs its two column halves in turn), and 128 x 256 in 64-column
 // quarters (SUB = 64: two small accumulators, quarter q promoted while quarter q + 1 runs). The 128 x 256
 // halves variant stores asynchronously instead (ASYNC): its rows are staged in ring stages it holds back from
-// the producer and leave by bulk copies while the next tile's mainloop runs.
+// the producer and leave through the TMA while the next tile's mainloop runs.
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -120,16 +120,18 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
       : "memory");
 }
 
-// Copies `bytes` (a multiple of 16) from shared to global memory through the bulk-copy engine, asynchronously:
-// the warp goes on while the engine reads the staged rows and writes them out.
-__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+// Stores the [16 rows][64 columns] bf16 box at `src` (128-byte swizzled) to `out` at (col, row) through the
+// TMA, asynchronously, tracked as a bulk async-group; the tensor map clips rows and columns past its ends.
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int col, int row) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(col), "r"(row)
                : "memory");
 }
 
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
-// Returns once this thread's bulk copies have read their shared-memory source (not once they are written).
+// Returns once this thread's TMA stores have read their shared-memory source (not once they are written).
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
@@ -338,35 +340,53 @@ __device__ __forceinline__ void store_tile(const float* fin, __nv_bfloat16* out,
   }
 }
 
-// The asynchronous form of store_tile: the warp's 16 rows x COLS columns go to shared memory as bf16 rows of
-// COLS * 2 + 16 bytes at `region` (the padding puts a store's 8 rows in different banks), then each valid row
-// leaves in one bulk copy, which the warp does not wait for. The caller waits with bulk_wait_read before the
-// region is written again.
-template <int COLS>
-__device__ __forceinline__ void store_tile_async(const float* fin, uint32_t region, __nv_bfloat16* out, int64_t ld,
-                                                 int valid_rows, int cols, int lane) {
-  constexpr uint32_t kPitch = COLS * 2 + 16;
-  const uint32_t top = region + (lane / 4) * kPitch + (lane % 4) * 4, low = top + 8 * kPitch;
+// The asynchronous form of store_tile for a warp's 16 rows x 256 columns: the rows go to shared memory as four
+// [16][64] bf16 boxes at `region` (8 KiB, 1024-byte aligned) in the TMA's 128-byte swizzle (16-byte chunk c of
+// row r at chunk c ^ (r % 8): a store instruction's 32 words fall in distinct banks), then lane 0 hands each box
+// to the TMA, which the warp does not wait for; the caller waits with bulk_wait_read before the region is
+// written again. A warp whose rows pass the expert's end (rows from `valid_rows` on must stay untouched)
+// copies its valid rows out itself instead, synchronously. `row` is the warp's first row of `out`, `col` its
+// first column; columns from `cols` on (N) are skipped.
+__device__ __forceinline__ void store_tile_async(const float* fin, uint32_t region, const CUtensorMap* map,
+                                                 __nv_bfloat16* out, int64_t ld, int row, int col, int valid_rows,
+                                                 int cols, int lane) {
+  const int r = lane / 4;
+  const uint32_t top = region + r * 128 + (lane % 4) * 4, low = top + 8 * 128;  // rows r and r + 8: same swizzle
 #pragma unroll
-  for (int c = 0; c < COLS / 8; ++c) {
+  for (int c = 0; c < 32; ++c) {  // 8 columns each
     const float* f = fin + 4 * c;
     __nv_bfloat162 t = __floats2bfloat162_rn(f[0], f[1]), l = __floats2bfloat162_rn(f[2], f[3]);
-    sts(top + 16 * c, *reinterpret_cast<uint32_t*>(&t));
-    sts(low + 16 * c, *reinterpret_cast<uint32_t*>(&l));
+    const uint32_t at = (c / 8) * 2048 + 16 * ((c % 8) ^ r);
+    sts(top + at, *reinterpret_cast<uint32_t*>(&t));
+    sts(low + at, *reinterpret_cast<uint32_t*>(&l));
   }
-  // The bulk copy reads through the async proxy: make the generic stores above visible to it.
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  if (valid_rows >= 16) {
+    // The TMA reads through the async proxy: make the generic stores above visible to it.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (lane == 0) {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        if (64 * b < cols) tma_store(map, region + b * 2048, col + 64 * b, row);
+      }
+      bulk_commit();
+    }
+    return;
+  }
   __syncwarp();
-  if (lane < 16 && lane < valid_rows && cols > 0) {
-    bulk_store(out + lane * ld, region + lane * kPitch, (cols < COLS ? cols : COLS) * 2);
+  for (int q = lane; q < valid_rows * 32; q += 32) {
+    const int rr = q / 32, c = q % 32;  // row, 16-byte chunk
+    if (8 * c < cols) {
+      const uint4 v = lds128(region + (c / 8) * 2048 + rr * 128 + 16 * ((c % 8) ^ (rr % 8)));
+      *reinterpret_cast<uint4*>(out + rr * ld + 8 * c) = v;
+    }
   }
-  bulk_commit();
 }
 
 template <int BM, int BN, int STAGES, int SUB, bool ASYNC>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_block_grouped(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
-                      const Params p) {
+                      const __grid_constant__ CUtensorMap tma_out, const Params p) {
   using S = Shape<BM, BN, STAGES>;
   static_assert(SUB == 128 || (SUB == 64 && S::kWide), "64-column quarters exist for the 128 x 256 tile only");
   extern __shared__ uint8_t smem_raw[];
@@ -475,12 +495,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Each warpgroup owns 64 x 256. SUB = 128: two 128-column halves in turn through one accumulator. SUB = 64:
     // four 64-column quarters through two 32-register accumulators, quarter q promoted while quarter q + 1 runs.
     // The asynchronous epilogue (ASYNC): each math warp stages its 16 x 256 of the tile in the ring stages of
-    // the tile's last kHold K blocks, which it keeps from the producer until its bulk copies have read them. The
+    // the tile's last kHold K blocks, which it keeps from the producer until the TMA has read them. The
     // release comes once the next tile's second block is issued (its first STAGES - kHold blocks load
     // meanwhile), so the stores overlap the next tile's mainloop instead of idling the tensor cores. Measured
     // slower for the quarters and for the 64 x 128-per-warpgroup tiles (docs/perf.md), so those store in place.
     static_assert(!ASYNC || SUB == 128, "the asynchronous epilogue is built for the halves variant only");
-    constexpr int kRegion = 16 * (256 * 2 + 16);  // a warp's rows, padded (store_tile_async)
+    constexpr int kRegion = 16 * 256 * 2;  // a warp's rows (store_tile_async)
     constexpr int kPerStage = S::kStageBytes / kRegion;
     constexpr int kHold = (kMathWarps + kPerStage - 1) / kPerStage;
     static_assert(kHold <= 2 && kHold + 2 <= STAGES, "the held stages must leave the next tile two to load into");
@@ -569,7 +589,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("bar.sync 1, 256;" ::: "memory");
         const uint32_t stage = (held >> (8 * (mwarp / kPerStage))) & 0xff;
         const uint32_t region = smem_u32(ring) + stage * S::kStageBytes + (mwarp % kPerStage) * kRegion;
-        store_tile_async<256>(fin, region, dst, p.n, rows - row0, p.n - col0, lane);
+        store_tile_async(fin, region, &tma_out, dst, p.n, static_cast<int>(first) + row0, col0, rows - row0, p.n - col0,
+                         lane);
         copying = held | kCopying;
         held = 0;
       } else {
@@ -628,7 +649,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <int BM, int BN, int STAGES, int SUB, bool ASYNC>
 __global__ void fp8_block_grouped(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
-                                  const Params) {}
+                                  const __grid_constant__ CUtensorMap, const Params) {}
 
 #endif
 
@@ -665,6 +686,20 @@ bool encode(CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer, 
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The bf16 output [outer, inner] written in boxes of [16, 64] with the 128-byte swizzle; rows and columns past
+// its ends are not written.
+bool encode_out(CUtensorMap* map, void* base, uint64_t inner, uint64_t outer) {
+  EncodeTiled fn = encode_fn();
+  if (!fn) return false;
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {inner * 2};
+  const cuuint32_t box[2] = {64, 16};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, elem_strides,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 template <int BM, int BN, int STAGES, int SUB, bool ASYNC>
 int run(const void* a, const float* a_scale, const void* w, const float* w_scale, void* out, const int32_t* counts,
         const int32_t* offsets, int capacity, int num_groups, int rows, int n, int k, int swizzle, int raster,
@@ -680,13 +715,15 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
   if (rows == 0) return cudaSuccess;
   const cudaError_t err = sm90::opt_in_shared_memory<fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC>>(S::kSmemBytes);
   if (err != cudaSuccess) return err;
-  CUtensorMap map_a, map_w;
-  if (!encode(&map_a, a, k, rows, BM) || !encode(&map_w, w, k, uint64_t(num_groups) * n, BN)) {
+  CUtensorMap map_a, map_w, map_out{};
+  if (!encode(&map_a, a, k, rows, BM) || !encode(&map_w, w, k, uint64_t(num_groups) * n, BN) ||
+      (ASYNC && !encode_out(&map_out, out, n, rows))) {
     return cudaErrorInvalidValue;
   }
   Params p{a_scale, w_scale, static_cast<__nv_bfloat16*>(out), counts, offsets, capacity, num_groups, n,
            k,       swizzle, raster == 0 ? 1 : raster};
-  fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC><<<sm_count, kThreads, S::kSmemBytes, stream>>>(map_a, map_w, p);
+  fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC>
+      <<<sm_count, kThreads, S::kSmemBytes, stream>>>(map_a, map_w, map_out, p);
   return cudaGetLastError();
 }
 
