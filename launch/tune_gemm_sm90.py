@@ -145,55 +145,30 @@ def main() -> None:
         raise SystemExit(
             f"--repeat must be >= 1 and --shapes one of contiguous, masked, routed, all: {args.repeat}, {args.shapes}"
         )
-    routed = [tuple(map(int, item.split(":"))) for item in args.routed.split(",")] if args.routed else ROUTED
-    for (num_experts, tokens), (n, k) in itertools.product(routed, ROUTED_NK) if args.shapes == "routed" else ():
-        top_k = 8
-        counts = routed_counts(num_experts, tokens, top_k)
+
+    def contiguous(label: str, num_experts: int, n: int, k: int, counts: list[int], **record) -> None:
         fn, dense_fn, flops = contiguous_case(num_experts, 0, n, k, counts)
         dense = time_graph(dense_fn, calls=5)
         rows = sweep(fn, flops, num_experts * n * k, configs, orders, args.repeat)
         for r in rows:
             r["vs_dense"] = dense / r["us"]
-        results.append(
-            dict(
-                layout="routed",
-                experts=num_experts,
-                tokens=tokens,
-                top_k=top_k,
-                counts=counts,
-                n=n,
-                k=k,
-                dense_us=dense,
-                sweep=rows,
-            )
-        )
-        print(
-            f"routed E={num_experts} T={tokens} top-{top_k} ({n}, {k}), rows per expert {min(counts)}-{max(counts)}:"
-            f" dense {tflops(flops, dense):.0f} TFLOP/s",
-            flush=True,
-        )
+        results.append(dict(**record, experts=num_experts, n=n, k=k, dense_us=dense, sweep=rows))
+        print(f"{label} ({n}, {k}): dense {tflops(flops, dense):.0f} TFLOP/s", flush=True)
         for r in _best_per_config(rows):
             print(
                 f"   {r['config']:9s} swizzle {r['swizzle']} raster {r['raster']}: {r['tflops']:.0f} TFLOP/s, "
                 f"{r['vs_dense']:.3f}x dense",
                 flush=True,
             )
+
+    routed = [tuple(map(int, item.split(":"))) for item in args.routed.split(",")] if args.routed else ROUTED
+    for (num_experts, tokens), (n, k) in itertools.product(routed, ROUTED_NK) if args.shapes == "routed" else ():
+        counts = routed_counts(num_experts, tokens, 8)
+        label = f"routed E={num_experts} T={tokens} top-8, rows per expert {min(counts)}-{max(counts)}"
+        contiguous(label, num_experts, n, k, counts, layout="routed", tokens=tokens, top_k=8, counts=counts)
     for num_experts, per_expert, n, k in CONTIGUOUS if args.shapes in ("contiguous", "all") else ():
-        fn, dense_fn, flops = contiguous_case(num_experts, per_expert, n, k)
-        dense = time_graph(dense_fn, calls=5)
-        rows = sweep(fn, flops, num_experts * n * k, configs, orders, args.repeat)
-        for r in rows:
-            r["vs_dense"] = dense / r["us"]
-        results.append(
-            dict(layout="contiguous", experts=num_experts, rows=per_expert, n=n, k=k, dense_us=dense, sweep=rows)
-        )
-        print(f"contiguous {num_experts}x{per_expert} ({n}, {k}): dense {tflops(flops, dense):.0f} TFLOP/s", flush=True)
-        for r in _best_per_config(rows):
-            print(
-                f"   {r['config']:9s} swizzle {r['swizzle']} raster {r['raster']}: {r['tflops']:.0f} TFLOP/s, "
-                f"{r['vs_dense']:.3f}x dense",
-                flush=True,
-            )
+        label = f"contiguous {num_experts}x{per_expert}"
+        contiguous(label, num_experts, n, k, [per_expert] * num_experts, layout="contiguous", rows=per_expert)
     for num_experts, per_expert, n, k in MASKED if args.shapes in ("masked", "all") else ():
         fn, flops, weight_bytes = masked_case(num_experts, per_expert, n, k)
         rows = sweep(fn, flops, weight_bytes, configs, orders, args.repeat)

@@ -181,8 +181,16 @@ def _cutlass():
     "counts, n, k", [([0, 1, 127, 64, 300], 384, 640), ([129, 0, 0, 2], 256, 7168), ([5, 0, 130], 128, 128)]
 )
 def test_fp8_block_cutlass_contiguous(rng, config, block_rows, counts, n, k):
+    seed, _ = rng
+    got, want, padding = _sm90_contiguous(rng, config, counts, block_rows, n, k)
+    assert rel_err(got, want) < 2e-2, seed
+    assert padding.isnan().all(), "padding rows must keep the poison"
+
+
+def _sm90_contiguous(rng, config, counts, block_rows, n, k):
+    """One launch of a Hopper config on a poisoned output: (owned rows, their float64 reference, padding rows)."""
     gemm_sm90 = _cutlass()
-    seed, g = rng
+    _, g = rng
     layout = contiguous_layout(counts, block_rows, DEV)
     a, a_scale = make_activations("fp8_block", (layout.num_rows,), k, g, DEV)
     w, w_scale = make_weights("fp8_block", len(counts), n, k, g, DEV)
@@ -190,9 +198,8 @@ def test_fp8_block_cutlass_contiguous(rng, config, block_rows, counts, n, k):
     gemm_sm90.launch(a, a_scale, w, w_scale, out, layout.tokens_per_expert, layout.expert_offsets, None, config)
     torch.cuda.synchronize()
     owned = owned_rows(layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu(), layout.num_rows)
-    want = reference(a, a_scale, w, w_scale, layout.tokens_per_expert, layout.expert_offsets)
-    assert rel_err(out.cpu()[owned], want.cpu()[owned]) < 2e-2, seed
-    assert out.cpu()[~owned].isnan().all(), "padding rows must keep the poison"
+    want = reference(a, a_scale, w, w_scale, layout.tokens_per_expert, layout.expert_offsets).cpu()[owned]
+    return out.cpu()[owned], want, out.cpu()[~owned]
 
 
 @pytest.mark.parametrize("config", CUTLASS_CONFIGS)
@@ -222,22 +229,13 @@ def test_fp8_block_wgmma_several_tiles_per_cta(rng, config, k):
     """More tiles than SMs, so each CTA stores a tile while it computes its next one and only then hands the
     stages holding the stored rows back to its loads; K of 1, 2 and 5 blocks (a tile's held stages are then
     all, or some, of its blocks, or too few and the rows are stored in place)."""
-    gemm_sm90 = _cutlass()
-    seed, g = rng
-    counts, n = [700, 3, 0, 517, 260, 129, 1000], 3072
-    layout = contiguous_layout(counts, 128, DEV)
-    a, a_scale = make_activations("fp8_block", (layout.num_rows,), k, g, DEV)
-    w, w_scale = make_weights("fp8_block", len(counts), n, k, g, DEV)
-    out = _poisoned((layout.num_rows, n), torch.bfloat16)
-    gemm_sm90.launch(a, a_scale, w, w_scale, out, layout.tokens_per_expert, layout.expert_offsets, None, config)
-    torch.cuda.synchronize()
-    owned = owned_rows(layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu(), layout.num_rows)
-    want = reference(a, a_scale, w, w_scale, layout.tokens_per_expert, layout.expert_offsets).cpu()[owned]
-    got = out.cpu()[owned].double()
+    seed, _ = rng
+    got, want, padding = _sm90_contiguous(rng, config, [700, 3, 0, 517, 260, 129, 1000], 128, 3072, k)
+    got = got.double()
     # Row by row, so that one tile stored from the wrong place cannot hide in the norm of the whole.
     row_err = (got - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-30)
     assert row_err.max().item() < 2e-2, (seed, row_err.argmax().item())
-    assert out.cpu()[~owned].isnan().all(), "padding rows must keep the poison"
+    assert padding.isnan().all(), "padding rows must keep the poison"
 
 
 def test_fp8_block_default_is_cutlass_on_sm90_and_matches_triton(rng, monkeypatch):
