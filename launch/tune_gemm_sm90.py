@@ -146,8 +146,8 @@ def main() -> None:
             f"--repeat must be >= 1 and --shapes one of contiguous, masked, routed, all: {args.repeat}, {args.shapes}"
         )
 
-    def contiguous(label: str, num_experts: int, n: int, k: int, counts: list[int], **record) -> None:
-        fn, dense_fn, flops = contiguous_case(num_experts, 0, n, k, counts)
+    def contiguous(label: str, num_experts: int, n: int, k: int, group_rows: list[int], **record) -> None:
+        fn, dense_fn, flops = contiguous_case(num_experts, 0, n, k, group_rows)
         dense = time_graph(dense_fn, calls=5)
         rows = sweep(fn, flops, num_experts * n * k, configs, orders, args.repeat)
         for r in rows:
