@@ -13,8 +13,8 @@ Tables:
 
 The FP8 block-scaled rows also time each backend of that GEMM in the same run: on Hopper the CUTLASS kernels
 (``coop``: 128x128 tiles; ``pingpong``: 64x128) and our wgmma kernel (``wg64``: 64x256 tiles; ``wg128w``:
-128x256 in two halves; ``wg128q``: 128x256 in quarters), each in its default tile order, and the Triton kernel (``triton``); the plain column is the default
-choice.
+128x256 in two halves; ``wg128q``: 128x256 in quarters), each in its default tile order, and the Triton kernel
+(``triton``); the plain column is the default choice.
 
 Kernel times are medians of CUDA-graph replays (inputs cycling through several sets where they are small
 enough, so that L2 does not hold them); the torch per-expert loops are timed eagerly, as they must sync. The

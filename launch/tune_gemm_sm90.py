@@ -43,19 +43,23 @@ def routed_counts(num_experts: int, tokens: int, top_k: int, seed: int = 0) -> l
     return torch.bincount(ids.flatten(), minlength=num_experts).tolist()
 
 
-def contiguous_case(num_experts: int, per_expert: int, n: int, k: int, counts: list[int] | None = None):
-    """``(fn(i, config, swizzle, raster), dense_fn(i), flops)`` of one contiguous shape (``per_expert`` rows each,
-    or ``counts``); ``dense_fn`` is the rowwise ``_scaled_mm`` of the same FLOPs."""
-    counts = counts or [per_expert] * num_experts
-    m = sum(counts)
+def contiguous_case(num_experts: int, per_expert: int, n: int, k: int):
+    """``grouped_case`` with ``per_expert`` rows for each of the experts."""
+    return grouped_case([per_expert] * num_experts, n, k)
+
+
+def grouped_case(counts: list[int], n: int, k: int):
+    """``(fn(i, config, swizzle, raster), dense_fn(i), flops)`` of contiguous groups of ``counts[e]`` rows;
+    ``dense_fn`` is the rowwise ``_scaled_mm`` of the same FLOPs."""
+    num_experts, m = len(counts), sum(counts)
     layout = _layout(counts)
     a, a_s = _fp8_rows(m, k)
     w, w_s = _fp8_weights(num_experts, n, k)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
-    counts, offsets = layout.tokens_per_expert, layout.expert_offsets
+    rows, offsets = layout.tokens_per_expert, layout.expert_offsets
 
     def fn(i, config, swizzle, raster):
-        gemm_sm90.launch(a, a_s, w, w_s, out, counts, offsets, None, config, swizzle, raster)
+        gemm_sm90.launch(a, a_s, w, w_s, out, rows, offsets, None, config, swizzle, raster)
 
     b_dense = w.reshape(-1, k)[:n].t()
     sa, sb = torch.rand(m, 1, device=DEV) + 0.5, torch.rand(1, n, device=DEV) + 0.5
@@ -135,7 +139,9 @@ def main() -> None:
     parser.add_argument("--orders", default=None, help="tile orders to try, e.g. 1m,2m,4n (default: all eight)")
     parser.add_argument("--repeat", type=int, default=1, help="passes over the configs (median kept), default 1")
     parser.add_argument("--routed", default=None, help="E:tokens pairs for --shapes routed, e.g. 256:8192,64:2048")
-    parser.add_argument("--shapes", default="all", help="contiguous, masked, routed or all (default: the first two)")
+    parser.add_argument(
+        "--shapes", default="all", help="contiguous, masked, routed, or all (the default: contiguous and masked)"
+    )
     args = parser.parse_args()
     configs = args.configs.split(",")
     orders = parse_orders(args.orders) if args.orders else ALL_ORDERS
@@ -147,7 +153,7 @@ def main() -> None:
         )
 
     def contiguous(label: str, num_experts: int, n: int, k: int, group_rows: list[int], **record) -> None:
-        fn, dense_fn, flops = contiguous_case(num_experts, 0, n, k, group_rows)
+        fn, dense_fn, flops = grouped_case(group_rows, n, k)
         dense = time_graph(dense_fn, calls=5)
         rows = sweep(fn, flops, num_experts * n * k, configs, orders, args.repeat)
         for r in rows:

@@ -340,6 +340,12 @@ __device__ __forceinline__ void store_tile(const float* fin, __nv_bfloat16* out,
   }
 }
 
+// Byte offset of 16-byte chunk `c` (8 columns) of row `r` in a warp's four [16][64] bf16 boxes, as the TMA's
+// 128-byte swizzle lays them out: chunk c % 8 of a 128-byte row sits at position (c % 8) ^ (r % 8).
+__device__ __forceinline__ uint32_t box_offset(int r, int c) {
+  return (c / 8) * 2048 + r * 128 + 16 * ((c % 8) ^ (r % 8));
+}
+
 // The asynchronous form of store_tile for a warp's 16 rows x 256 columns: the rows go to shared memory as four
 // [16][64] bf16 boxes at `region` (8 KiB, 1024-byte aligned) in the TMA's 128-byte swizzle (16-byte chunk c of
 // row r at chunk c ^ (r % 8): a store instruction's 32 words fall in distinct banks), then lane 0 hands each box
@@ -351,14 +357,13 @@ __device__ __forceinline__ void store_tile_async(const float* fin, uint32_t regi
                                                  __nv_bfloat16* out, int64_t ld, int row, int col, int valid_rows,
                                                  int cols, int lane) {
   const int r = lane / 4;
-  const uint32_t top = region + r * 128 + (lane % 4) * 4, low = top + 8 * 128;  // rows r and r + 8: same swizzle
+  const uint32_t word = region + (lane % 4) * 4;
 #pragma unroll
   for (int c = 0; c < 32; ++c) {  // 8 columns each
     const float* f = fin + 4 * c;
     __nv_bfloat162 t = __floats2bfloat162_rn(f[0], f[1]), l = __floats2bfloat162_rn(f[2], f[3]);
-    const uint32_t at = (c / 8) * 2048 + 16 * ((c % 8) ^ r);
-    sts(top + at, *reinterpret_cast<uint32_t*>(&t));
-    sts(low + at, *reinterpret_cast<uint32_t*>(&l));
+    sts(word + box_offset(r, c), *reinterpret_cast<uint32_t*>(&t));
+    sts(word + box_offset(r + 8, c), *reinterpret_cast<uint32_t*>(&l));
   }
   if (valid_rows >= 16) {
     // The TMA reads through the async proxy: make the generic stores above visible to it.
@@ -377,7 +382,7 @@ __device__ __forceinline__ void store_tile_async(const float* fin, uint32_t regi
   for (int q = lane; q < valid_rows * 32; q += 32) {
     const int rr = q / 32, c = q % 32;  // row, 16-byte chunk
     if (8 * c < cols) {
-      const uint4 v = lds128(region + (c / 8) * 2048 + rr * 128 + 16 * ((c % 8) ^ (rr % 8)));
+      const uint4 v = lds128(region + box_offset(rr, c));
       *reinterpret_cast<uint4*>(out + rr * ld + 8 * c) = v;
     }
   }
@@ -672,32 +677,24 @@ EncodeTiled encode_fn() {
   return fn;
 }
 
-// A 2-D e4m3 matrix [outer, inner] read in boxes of [box_outer, 128] with the 128-byte swizzle; rows past
-// `outer` read as zeros.
-bool encode(CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer, uint32_t box_outer) {
+// A row-major 2-D tensor [outer, inner] of `elem_bytes`-byte elements, moved in boxes of [box_outer, box_inner]
+// with the 128-byte swizzle; rows past `outer` read as zeros and are not written.
+bool encode(CUtensorMap* map, const void* base, CUtensorMapDataType type, uint32_t elem_bytes, uint64_t inner,
+            uint64_t outer, uint32_t box_inner, uint32_t box_outer, CUtensorMapL2promotion promotion) {
   EncodeTiled fn = encode_fn();
   if (!fn) return false;
   const cuuint64_t dims[2] = {inner, outer};
-  const cuuint64_t strides[1] = {inner};
-  const cuuint32_t box[2] = {kBlockK, box_outer};
+  const cuuint64_t strides[1] = {inner * elem_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer};
   const cuuint32_t elem_strides[2] = {1, 1};
-  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return fn(map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The bf16 output [outer, inner] written in boxes of [16, 64] with the 128-byte swizzle; rows and columns past
-// its ends are not written.
-bool encode_out(CUtensorMap* map, void* base, uint64_t inner, uint64_t outer) {
-  EncodeTiled fn = encode_fn();
-  if (!fn) return false;
-  const cuuint64_t dims[2] = {inner, outer};
-  const cuuint64_t strides[1] = {inner * 2};
-  const cuuint32_t box[2] = {64, 16};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  return fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, elem_strides,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+// An e4m3 operand [outer, K], read a 128-deep K block of `box_outer` rows at a time.
+bool encode_operand(CUtensorMap* map, const void* base, uint64_t k, uint64_t outer, uint32_t box_outer) {
+  return encode(map, base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, outer, kBlockK, box_outer,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
 template <int BM, int BN, int STAGES, int SUB, bool ASYNC>
@@ -716,8 +713,10 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
   const cudaError_t err = sm90::opt_in_shared_memory<fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC>>(S::kSmemBytes);
   if (err != cudaSuccess) return err;
   CUtensorMap map_a, map_w, map_out{};
-  if (!encode(&map_a, a, k, rows, BM) || !encode(&map_w, w, k, uint64_t(num_groups) * n, BN) ||
-      (ASYNC && !encode_out(&map_out, out, n, rows))) {
+  // The bf16 output is written in [16][64] boxes (store_tile_async), only by the asynchronous epilogue.
+  if (!encode_operand(&map_a, a, k, rows, BM) || !encode_operand(&map_w, w, k, uint64_t(num_groups) * n, BN) ||
+      (ASYNC &&
+       !encode(&map_out, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, rows, 64, 16, CU_TENSOR_MAP_L2_PROMOTION_NONE))) {
     return cudaErrorInvalidValue;
   }
   Params p{a_scale, w_scale, static_cast<__nv_bfloat16*>(out), counts, offsets, capacity, num_groups, n,
