@@ -2,11 +2,12 @@
 
     python launch/profile_gemm_sm90.py [--json FILE] [--configs coop,pingpong,...]
     python launch/profile_gemm_sm90.py --once CASE --config NAME   # three launches, for ncu
-    python launch/profile_gemm_sm90.py --gemm1 [--json FILE]
+    python launch/profile_gemm_sm90.py --gemm1 [--repeat R] [--json FILE]
 
 --gemm1: GEMM1 of a DeepSeek-V3 layer (FP8 block, SwiGLU, FP8 output; N = 2 x 2048, K = 7168) at several rows
-per expert, as the Triton kernel with the activation fused and as the CUTLASS GEMM plus the activation pass
-(``gemm_sm90.split_activation``), both timed in this run: where the split starts to pay.
+per expert, three ways timed in this run: the Triton kernel with the activation fused, the grouped GEMM of
+``gemm_sm90.pick`` to bf16 plus the activation pass (``moe/act_kernel.py``), and our wgmma kernel with the
+activation in its epilogue (``gemm_sm90.pick_gated``, the default).
 
 Contiguous: 16384 rows at (N, K) = (4096, 7168) as E groups of 16384 / E rows (E = 1 is one plain GEMM); the
 tiles and FLOPs stay the same, only the number of group changes per CTA grows with E. Masked: the 0.94 GB of
@@ -19,13 +20,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gemm import _fp8_rows, _fp8_weights, _layout, tflops  # noqa: E402
+from bench_gemm import SETTLE_MS, _fp8_rows, _fp8_weights, _layout, tflops  # noqa: E402
 from timing import time_graph  # noqa: E402
 from tune_gemm_sm90 import contiguous_case, masked_case  # noqa: E402
 
@@ -48,7 +50,7 @@ def _orders(fn, configs: list[str], calls: int):
             yield config, swizzle, raster, us
 
 
-def gemm1(json_path: Path | None) -> None:
+def gemm1(json_path: Path | None, repeat: int) -> None:
     import flashinfer_moe as fm
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
@@ -63,21 +65,28 @@ def gemm1(json_path: Path | None) -> None:
             w, w_s = ws[i % len(ws)]
             fm.grouped_gemm_fp8_block_contiguous(a, a_s, w, w_s, layout, activation="silu", quantize_output=True)
 
-        times = {}
-        saved = gemm_sm90.SPLIT_MIN_ROWS_PER_EXPERT
-        for name, threshold in (("fused_triton", 1 << 30), ("split_cutlass", 1)):
-            gemm_sm90.SPLIT_MIN_ROWS_PER_EXPERT = threshold
-            times[name] = time_graph(fn, calls=6)
-        gemm_sm90.SPLIT_MIN_ROWS_PER_EXPERT = saved
+        samples = {}
+        saved = gemm_sm90.SPLIT_MIN_ROWS_PER_EXPERT, gemm_sm90.FUSED_ACTIVATION
+        paths = (("fused_triton", 1 << 30, False), ("split", 1, False), ("fused_wgmma", 1, True))
+        try:
+            # Passes in alternating order, each timing after settling at its own power state (the board is
+            # power-limited: a path timed right after a lighter one reads fast); the median per path.
+            for rep in range(repeat):
+                for name, threshold, fused in paths if rep % 2 == 0 else paths[::-1]:
+                    gemm_sm90.SPLIT_MIN_ROWS_PER_EXPERT, gemm_sm90.FUSED_ACTIVATION = threshold, fused
+                    samples.setdefault(name, []).append(time_graph(fn, calls=6, settle_ms=SETTLE_MS))
+        finally:
+            gemm_sm90.SPLIT_MIN_ROWS_PER_EXPERT, gemm_sm90.FUSED_ACTIVATION = saved
+        times = {name: statistics.median(v) for name, v in samples.items()}
         flops = 2.0 * num_experts * per_expert * n * k
         row = dict(experts=num_experts, rows=per_expert, **{f"{k_}_us": v for k_, v in times.items()})
-        row["split_speedup"] = times["fused_triton"] / times["split_cutlass"]
+        row["fused_over_split"] = times["split"] / times["fused_wgmma"]
         results.append(row)
+        config = gemm_sm90.pick_gated(num_experts * per_expert, num_experts, None, n, k)
         print(
-            f"GEMM1 E {num_experts:3d} x {per_expert:3d} rows: fused Triton {times['fused_triton']:8.1f} us "
-            f"({tflops(flops, times['fused_triton']):4.0f} TFLOP/s), CUTLASS + activation pass "
-            f"{times['split_cutlass']:8.1f} us ({tflops(flops, times['split_cutlass']):4.0f}), "
-            f"split / fused {row['split_speedup']:.2f}x",
+            f"GEMM1 E {num_experts:3d} x {per_expert:3d} rows: "
+            + ", ".join(f"{k_} {v:8.1f} us ({tflops(flops, v):4.0f} TFLOP/s)" for k_, v in times.items())
+            + f"; split / fused wgmma {row['fused_over_split']:.2f}x ({config and config[0]})",
             flush=True,
         )
     if json_path:
@@ -89,6 +98,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--configs", default=",".join(gemm_sm90.CONFIGS))
     parser.add_argument("--gemm1", action="store_true")
+    parser.add_argument("--repeat", type=int, default=3, help="--gemm1: timing passes per path (median)")
     parser.add_argument("--once", choices=["contiguous32", "contiguous32n", "masked16", "masked64", "masked128"])
     parser.add_argument("--config", default="coop")
     parser.add_argument("--swizzle", type=int, default=2)
@@ -96,7 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     configs = args.configs.split(",")
     if args.gemm1:
-        gemm1(args.json)
+        gemm1(args.json, args.repeat)
         return
     if args.once:
         if args.once.startswith("contiguous32"):  # 32 x 512 rows at (4096, 7168), or (7168, 2048) with the n

@@ -1,8 +1,8 @@
 """GEMM1's gated activation (and FP8 re-quantization) as its own pass over a bf16 `[rows, 2 N]` GEMM output.
 
-On Hopper the block-scaled GEMM1 runs on the CUTLASS kernel, whose epilogue has no gated activation; this pass
-then applies it with the same formulas and the same quantization convention as the Triton GEMM's fused
-epilogue (``moe/gemm_kernel.py``). Only rows that belong to an expert are read and written, so the layout's
+On Hopper, where ``gemm_sm90.pick`` runs the block-scaled GEMM1 on a CUTLASS kernel (whose epilogue has no gated
+activation; our wgmma kernel applies it in its own epilogue), this pass applies it with the same formulas and the
+same quantization convention as the Triton GEMM's fused epilogue (``moe/gemm_kernel.py``). Only rows that belong to an expert are read and written, so the layout's
 padding and the masked layout's unused slots keep whatever they held. Runs under ``TRITON_INTERPRET=1`` too.
 """
 

@@ -1,7 +1,8 @@
 """The ``flashinfer_moe::grouped_gemm_`` custom op behind ``moe/gemm.py``'s public functions: its schema, the
 CPU implementation (the reference) and the CUDA one, which picks the kernel (Hopper: ``gemm_sm90``'s grouped
-GEMMs, GEMM1 with an activation split into GEMM + ``act_kernel``; elsewhere and otherwise the Triton kernel of
-``gemm_kernel``). Arguments arrive checked by ``moe/gemm.py``; dimension legend as there.
+GEMMs, GEMM1 with an activation in our wgmma kernel's epilogue, or split into GEMM + ``act_kernel`` where
+``pick`` chooses CUTLASS; elsewhere and otherwise the Triton kernel of ``gemm_kernel``). Arguments arrive
+checked by ``moe/gemm.py``; dimension legend as there.
 """
 
 from __future__ import annotations
@@ -72,8 +73,31 @@ def _gemm_cuda(
             with on_device(a):
                 gemm_sm90.launch(a, a_scale, w, w_scale, out, counts, offsets, cap)
             return
-        split = act and n % 128 == 0 and gemm_sm90.split_activation(rows, num_experts, cap)
-        if split and gemm_sm90.usable(a, w, None, a_scale, w_scale, nw, k):
+        gated = act and n % 128 == 0 and gemm_sm90.usable(a, w, None, a_scale, w_scale, nw, k)
+        chosen = (
+            gated and gemm_sm90.gated_output_ok(out, out_scale) and gemm_sm90.pick_gated(rows, num_experts, cap, nw, k)
+        )
+        if chosen:
+            # GEMM1 in one kernel: the activation (and FP8 groups) in the epilogue, no [R, 2I] intermediate.
+            kind = {v: k_ for k_, v in ACT_CODES.items()}[act]
+            with on_device(a):
+                gemm_sm90.launch(
+                    a,
+                    a_scale,
+                    w,
+                    w_scale,
+                    out,
+                    counts,
+                    offsets,
+                    cap,
+                    *chosen,
+                    activation=kind,
+                    alpha=alpha,
+                    limit=limit,
+                    out_scale=out_scale,
+                )
+            return
+        if gated and gemm_sm90.split_activation(rows, num_experts, cap):
             # GEMM1: the CUTLASS GEMM to bf16, then the activation (+ FP8) as its own pass; the extra bf16 round
             # trip costs less than the Triton kernel's slower mainloop (docs/perf.md).
             from . import act_kernel

@@ -2,8 +2,9 @@
 wgmma kernel (``csrc/gemm/sm90_fp8_block_wgmma.cu``); ``pick`` chooses among them by shape.
 
 It serves the block-scaled GEMM on sm_90 GPUs, where it overlaps the per-128 scale promotion with the tensor
-cores better than the Triton kernel can: with bf16 output directly, and with a gated activation (GEMM1) as a
-bf16 GEMM followed by ``moe/act_kernel.py``. Everything else, and every other GPU, stays on the Triton kernel
+cores better than the Triton kernel can: with bf16 output directly, and with a gated activation (GEMM1) in our
+kernel's epilogue (bf16, fp32, or FP8 per 128 columns), or, where ``pick`` chooses a CUTLASS kernel, as a bf16
+GEMM followed by ``moe/act_kernel.py``. Everything else, and every other GPU, stays on the Triton kernel
 (``moe/gemm_kernel.py``). ``FLASHINFER_MOE_GEMM_BACKEND=triton`` turns it off. Dimension legend as in
 ``moe/gemm.py``.
 """
@@ -55,8 +56,12 @@ CUTLASS_CONFIGS = ("coop", "pingpong", "coop_n2")
 # next one runs).
 WGMMA_CONFIGS = {"wg128": "m128n128", "wg64": "m64n256", "wg128w": "m128n256", "wg128q": "m128n256s64"}
 CONFIGS = (*CUTLASS_CONFIGS, *WGMMA_CONFIGS)
+# Ours with GEMM1's activation in the epilogue: the 256-column tiles (one 128-column output group per tile).
+GATED_CONFIGS = ("wg64", "wg128w", "wg128q")
+ACT_CODES = {None: 0, "silu": 1, "clamped_silu": 2}  # as in csrc/gemm/sm90_fp8_block_wgmma.cu
+_OUT_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float8_e4m3fn: 2}
 
-_vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {}
 for _name in CUTLASS_CONFIGS:
     _SIGNATURES[f"fim_sm90_fp8_block_grouped_{_name}"] = (
@@ -68,7 +73,8 @@ for _name in CUTLASS_CONFIGS:
 
 _WGMMA_SIGNATURES = {
     f"fim_sm90_fp8_block_wgmma_{_suffix}": (
-        [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _int, _int, _int, _int, _int, _int, _int, _int, _vp],
+        [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _int, _int, _int, _int, _int, _int, _int, _int, _float, _float, _vp]
+        + [_int, _int, _vp],
         _int,
     )
     for _suffix in WGMMA_CONFIGS.values()
@@ -122,6 +128,33 @@ def usable(a, w, out, a_scale, w_scale, n: int, k: int) -> bool:
     if any(t.data_ptr() % 16 for t in (a, w, out) if t is not None):
         return False
     return w.shape[0] <= WGMMA_MAX_EXPERTS or _headers_found()
+
+
+def gated_output_ok(out, out_scale) -> bool:
+    """Whether our kernel's activation epilogue can write GEMM1's output: dense, 16-byte aligned, bf16 or fp32,
+    or e4m3 with its float32 scales `[rows, I / 128]`."""
+    if not out.is_contiguous() or out.data_ptr() % 16:
+        return False
+    if out_scale is None:
+        return out.dtype in (torch.bfloat16, torch.float32)
+    return out.dtype == torch.float8_e4m3fn and out_scale.dtype == torch.float32 and out_scale.is_contiguous()
+
+
+# On by default; launch/profile_gemm_sm90.py --gemm1 turns it off to time the split path in the same run.
+FUSED_ACTIVATION = True
+
+
+def pick_gated(rows: int, num_experts: int, capacity: int | None, n: int, k: int) -> tuple[str, int, str] | None:
+    """``pick``'s choice for GEMM1 (``n = 2 I`` weight rows) when it is one of ours that runs the activation in
+    its epilogue, else None (the caller splits: GEMM, then ``moe/act_kernel.py``)."""
+    if not FUSED_ACTIVATION or n % 256:
+        return None
+    config, swizzle, raster = pick(rows, num_experts, capacity, n, k)
+    if config in GATED_CONFIGS:
+        return config, swizzle, raster
+    if config in CUTLASS_CONFIGS and num_experts <= WGMMA_MAX_EXPERTS and not _headers_found():
+        return "wg128w", *DEFAULT_ORDERS["wg128w"]  # as launch falls back without the headers
+    return None
 
 
 # Rows per expert from which GEMM1 with a gated activation runs as this GEMM plus a separate activation pass
@@ -192,29 +225,60 @@ def launch(
     config: str | None = None,
     swizzle: int = 1,
     raster: str = "m",
+    *,
+    activation: str | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    out_scale=None,
 ) -> None:
-    """``out[rows of e] = (a * a_scale)[rows of e] @ (w[e] * w_scale[e])^T`` in one grouped kernel.
+    """``out[rows of e] = (a * a_scale)[rows of e] @ (w[e] * w_scale[e])^T`` in one grouped kernel, or with an
+    activation ``out[rows of e] = act(gate, up)`` of that product's two halves (GEMM1, our kernels only).
 
     Args:
         a: `[R, K]` e4m3 (contiguous layout) or `[E * C, K]` (masked, flattened).
         a_scale: `[R, K / 128]` float32.
         w: `[E, N, K]` e4m3.
         w_scale: `[E, N / 128, K / 128]` float32.
-        out: `[R, N]` bf16; rows of no expert are left as they are.
+        out: `[R, N]` bf16; with an activation `[R, N / 2]` bf16, float32, or e4m3 with ``out_scale``; rows of
+            no expert are left as they are.
         counts: `[E]` int32 rows per expert (masked: clamped to ``capacity`` here).
         offsets: `[E + 1]` int32 first row of each expert (contiguous), or None (masked).
         capacity: ``C`` of the masked layout, or None.
         config: one of ``CONFIGS``; None picks it, the swizzle and the raster by shape (``pick``).
         swizzle: 1, 2, 4 or 8 tiles side by side in the order tiles are handed out (L2 reuse).
         raster: ``"m"`` (down the rows first), ``"n"``, or ``"auto"`` (CUTLASS decides).
+        activation: None, ``"silu"`` (``silu(gate) * up``; gate rows ``[0, N / 2)`` of ``w``) or
+            ``"clamped_silu"`` (gpt-oss, with ``alpha`` and ``limit``); N a multiple of 256.
+        out_scale: `[R, N / 256]` float32 for an e4m3 ``out`` (one scale per row and 128 columns), else None.
     """
     num_experts, n, k = w.shape
-    if config is None:
+    if activation not in ACT_CODES:
+        raise ValueError(f"activation must be one of {list(ACT_CODES)}, got {activation!r}")
+    gated = activation is not None
+    if config is None and gated:
+        chosen = pick_gated(a.shape[0], num_experts, capacity, n, k)
+        if chosen is None:
+            raise ValueError(
+                f"no kernel here runs the activation in its epilogue for E={num_experts}, N={n}, K={k}"
+                " (pick_gated); run the GEMM and moe/act_kernel.py"
+            )
+        config, swizzle, raster = chosen
+    elif config is None:
         config, swizzle, raster = pick(a.shape[0], num_experts, capacity, n, k)
         if config in CUTLASS_CONFIGS and num_experts <= WGMMA_MAX_EXPERTS and not _headers_found():
             config, (swizzle, raster) = "wg128w", DEFAULT_ORDERS["wg128w"]  # the closest of ours (docs/perf.md)
     if config not in CONFIGS:
         raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
+    if gated and (config not in GATED_CONFIGS or n % 256):
+        raise ValueError(
+            f"an activation needs one of {GATED_CONFIGS} and N a multiple of 256, got config={config!r}, N={n}"
+        )
+    out_kind = _OUT_KINDS.get(out.dtype)
+    if out_kind is None or (out_kind == 2) != (out_scale is not None) or (not gated and out_kind != 0):
+        raise ValueError(
+            "out must be bf16 without an activation; with one bf16, float32, or e4m3 with out_scale; got "
+            f"out {out.dtype}, out_scale {'given' if out_scale is not None else None}, activation={activation!r}"
+        )
     if swizzle not in (1, 2, 4, 8) or raster not in RASTERS:
         raise ValueError(f"swizzle must be 1, 2, 4 or 8 and raster one of {list(RASTERS)}, got {swizzle}, {raster!r}")
     sms = _sm_count(a.device.index)
@@ -236,7 +300,8 @@ def launch(
             raise ValueError(f"the wgmma kernel takes at most {WGMMA_MAX_EXPERTS} experts, got {num_experts}")
         lib = _wgmma_lib()
         fn = getattr(lib, f"fim_sm90_fp8_block_wgmma_{WGMMA_CONFIGS[config]}")
-        status = fn(*operands, a.shape[0], n, k, *order, sms, stream_of(a))
+        act = (ACT_CODES[activation], float(alpha), float(limit), None if out_scale is None else out_scale.data_ptr())
+        status = fn(*operands, a.shape[0], n, k, *order, *act, out_kind, sms, stream_of(a))
         check_launch(lib, status, f"grouped GEMM (wgmma {config}, E={num_experts}, N={n}, K={k})")
         return
     lib = _lib()

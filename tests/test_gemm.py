@@ -364,3 +364,54 @@ def test_sm90_pick(rows, experts, capacity, n, k, want):
     assert config in gemm_sm90.CONFIGS and swizzle in (1, 2, 4, 8) and raster in gemm_sm90.RASTERS
     for name, (swizzle, raster) in gemm_sm90.DEFAULT_ORDERS.items():
         assert name in gemm_sm90.CONFIGS and swizzle in (1, 2, 4, 8) and raster in gemm_sm90.RASTERS
+
+
+@pytest.mark.parametrize(
+    "rows, experts, capacity, n, k, want",
+    [
+        (256 * 4, 256, None, 4096, 7168, "wg64"),  # DeepSeek-V3 GEMM1 at decode sizes
+        (32 * 128, 32, 128, 4096, 7168, "wg128q"),
+        (64 * 512, 64, None, 4096, 7168, "wg128w"),
+        (8 * 4096, 8, None, 2 * 14336, 4096, None),  # Mixtral prefill: coop_n2, so GEMM + activation pass
+        (2048 * 16, 2048, 16, 4096, 7168, None),  # more experts than our kernel takes
+        (256 * 4, 256, None, 2 * 192, 7168, None),  # I = 192: 128-column output groups do not tile it
+    ],
+)
+def test_sm90_pick_gated(monkeypatch, rows, experts, capacity, n, k, want):
+    from flashinfer_moe.moe import gemm_sm90
+
+    monkeypatch.setattr(gemm_sm90, "_headers_found", lambda: True)
+    got = gemm_sm90.pick_gated(rows, experts, capacity, n, k)
+    assert (got and got[0]) == want
+    if want:
+        assert got == gemm_sm90.pick(rows, experts, capacity, n, k) and want in gemm_sm90.GATED_CONFIGS
+    monkeypatch.setattr(gemm_sm90, "FUSED_ACTIVATION", False)
+    assert gemm_sm90.pick_gated(rows, experts, capacity, n, k) is None
+
+
+def test_sm90_pick_gated_without_cutlass_headers(monkeypatch):
+    from flashinfer_moe.moe import gemm_sm90
+
+    monkeypatch.setattr(gemm_sm90, "_headers_found", lambda: False)
+    assert gemm_sm90.pick(8 * 4096, 8, None, 2 * 14336, 4096)[0] == "coop_n2"
+    assert gemm_sm90.pick_gated(8 * 4096, 8, None, 2 * 14336, 4096)[0] == "wg128w"
+
+
+def test_sm90_launch_rejects_what_the_activation_epilogue_cannot_do():
+    from flashinfer_moe.moe import gemm_sm90
+
+    fp8 = torch.float8_e4m3fn
+    a, a_scale = torch.zeros(4, 256, dtype=fp8), torch.ones(4, 2)
+    w, w_scale = torch.zeros(2, 512, 256, dtype=fp8), torch.ones(2, 4, 2)
+    counts = torch.tensor([2, 2], dtype=torch.int32)
+    out = torch.empty(4, 256, dtype=torch.bfloat16)
+    args = (a, a_scale, w, w_scale, out, counts, None, 2)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        gemm_sm90.launch(*args, "wg64", activation="gelu")
+    for config in ("coop", "wg128"):  # CUTLASS's, and our 128-column tiles
+        with pytest.raises(ValueError, match=f"got config='{config}', N=512"):
+            gemm_sm90.launch(*args, config, activation="silu")
+    with pytest.raises(ValueError, match="out must be bf16 without an activation"):
+        gemm_sm90.launch(*args[:4], out.half(), *args[5:], "wg64", activation="silu")
+    with pytest.raises(ValueError, match="e4m3 with out_scale"):  # FP8 output without its scales
+        gemm_sm90.launch(*args[:4], out.to(fp8), *args[5:], "wg64", activation="silu")

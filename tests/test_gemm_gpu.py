@@ -7,7 +7,7 @@ from gemm_cases import FP8, KINDS, contiguous_layout, make_activations, make_wei
 import flashinfer_moe as fm
 from flashinfer_moe import reference as ref
 from flashinfer_moe.moe.gemm_sm90 import CONFIGS as CUTLASS_CONFIGS
-from flashinfer_moe.moe.gemm_sm90 import WGMMA_CONFIGS
+from flashinfer_moe.moe.gemm_sm90 import GATED_CONFIGS, WGMMA_CONFIGS
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -238,6 +238,60 @@ def test_fp8_block_wgmma_several_tiles_per_cta(rng, config, k):
     assert padding.isnan().all(), "padding rows must keep the poison"
 
 
+@pytest.mark.parametrize("config", GATED_CONFIGS)
+@pytest.mark.parametrize("act", ["silu", "clamped_silu"])
+@pytest.mark.parametrize("k", [128, 256, 640])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fp8_block_wgmma_activation_epilogue(rng, config, act, k, masked):
+    """GEMM1 with the activation in our kernel's epilogue, each 256-column configuration: the bf16 and fp32 rows
+    against the float64 reference row by row, the FP8 rows and scales bit for bit against the group quantizer
+    applied to the fp32 rows of the same kernel (same accumulators); padding and unused slots keep the poison.
+    K of 1, 2 and 5 blocks: wg128w's asynchronous epilogue (bf16, e4m3) then stores in place, or from the
+    stages it holds; contiguous, more tiles than SMs, so CTAs store one tile while computing the next."""
+    gemm_sm90 = _cutlass()
+    seed, g = rng
+    inter = 384 if masked else 1024  # 128-column output groups
+    if masked:
+        num_experts, capacity = 5, 131
+        counts = torch.tensor([131, 0, 1, 500, 70], dtype=torch.int32, device=DEV)  # 500 > C: clamped
+        a, a_scale = make_activations("fp8_block", (num_experts * capacity,), k, g, DEV)
+        clamped = counts.cpu().clamp(max=capacity)
+        offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
+        groups = (counts, None, capacity)
+    else:
+        layout = contiguous_layout([0, 1, 127, 300, 64, 700, 129, 1000, 3], 128, DEV)
+        num_experts = 9
+        a, a_scale = make_activations("fp8_block", (layout.num_rows,), k, g, DEV)
+        clamped, offsets = layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu()
+        groups = (layout.tokens_per_expert, layout.expert_offsets, None)
+    rows = a.shape[0]
+    w, w_scale = make_weights("fp8_block", num_experts, 2 * inter, k, g, DEV)
+    owned = owned_rows(clamped, offsets, rows)
+    want = reference(a, a_scale, w, w_scale, clamped, offsets, act).cpu()[owned]
+    order = gemm_sm90.DEFAULT_ORDERS[config]
+
+    def run(out, out_scale=None):
+        gemm_sm90.launch(a, a_scale, w, w_scale, out, *groups, config, *order, activation=act, out_scale=out_scale)
+        return out
+
+    outs = {
+        name: run(_poisoned((rows, inter), dtype))
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
+    }
+    q, s = _poisoned((rows, inter), FP8), torch.full((rows, inter // 128), float("nan"), device=DEV)
+    run(q, s)
+    torch.cuda.synchronize()
+    for name, out in outs.items():
+        got = out.cpu().double()
+        row_err = (got[owned] - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-30)
+        assert row_err.max().item() < 2e-2, (seed, name, row_err.argmax().item())
+        assert got[~owned].isnan().all(), (name, "rows of no expert must keep the poison")
+    want_q, want_s = ref.quantize_fp8_per_token_group(outs["fp32"].cpu()[owned])
+    assert torch.equal(s.cpu()[owned], want_s), seed
+    assert torch.equal(q.cpu()[owned].view(torch.uint8), want_q.view(torch.uint8)), seed
+    assert (q.cpu()[~owned].view(torch.uint8) == 0x7F).all() and s.cpu()[~owned].isnan().all()
+
+
 def test_fp8_block_default_is_cutlass_on_sm90_and_matches_triton(rng, monkeypatch):
     gemm_sm90 = _cutlass()
     seed, g = rng
@@ -276,12 +330,14 @@ def test_fp8_block_without_cutlass_headers_takes_the_wgmma_kernel(rng, monkeypat
     assert rel_err(out.cpu(), want.cpu()) < 2e-2, seed
 
 
+@pytest.mark.parametrize("path", ["fused", "split"])
 @pytest.mark.parametrize("act", ["silu", "clamped_silu"])
 @pytest.mark.parametrize("quantize", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_gemm1_split_on_sm90(rng, monkeypatch, act, quantize, masked):
-    """GEMM1 with an activation at prefill sizes: the CUTLASS GEMM, then the activation pass; the path is
-    checked to be taken, against the reference, with untouched padding, and under graph replay."""
+def test_gemm1_on_sm90(rng, monkeypatch, path, act, quantize, masked):
+    """GEMM1 with an activation through the public functions: in our kernel's epilogue (the default where pick
+    chooses one of ours: here wg64 contiguous, wg128w masked), or as the grouped GEMM and then the activation
+    pass; the path is checked to be taken, against the reference, with untouched padding, under graph replay."""
     gemm_sm90 = _cutlass()
     from flashinfer_moe.moe import act_kernel
 
@@ -289,6 +345,8 @@ def test_gemm1_split_on_sm90(rng, monkeypatch, act, quantize, masked):
     calls = []
     real = act_kernel.launch
     monkeypatch.setattr(act_kernel, "launch", lambda *args: calls.append(1) or real(*args))
+    if path == "split":
+        monkeypatch.setattr(gemm_sm90, "FUSED_ACTIVATION", False)
     num_experts, inter, k = 4, 256, 384
     w, w_scale = make_weights("fp8_block", num_experts, 2 * inter, k, g, DEV)
     if masked:
@@ -325,7 +383,7 @@ def test_gemm1_split_on_sm90(rng, monkeypatch, act, quantize, masked):
     run(out, out_scale)  # builds and warms up outside the capture
     with torch.cuda.graph(graph):
         run(out, out_scale)
-    assert calls, "GEMM1 with an activation did not take the split path"
+    assert bool(calls) == (path == "split"), f"GEMM1 with an activation did not take the {path} path"
     for _ in range(2):
         out.view(torch.uint8).fill_(0x7F) if quantize else out.fill_(float("nan"))
         graph.replay()

@@ -5,6 +5,10 @@
 //   W  [E, N, K] e4m3 (K-major); sw [E, N / 128, K / 128] fp32 (K-major)
 //   out [R, N] bf16; rows that belong to no expert are never written
 //
+// or, for GEMM1 (W's rows [0, N / 2) the gate projection, [N / 2, N) the up projection), with the activation in
+// the epilogue: out [R, N / 2] = act(gate, up) in bf16, fp32, or e4m3 with sa-style scales [R, N / 256] (one per
+// row and 128 columns), which is GEMM2's input as it is; no [R, N] intermediate is written.
+//
 // Why a second kernel beside the CUTLASS one: its tiles are wider per warpgroup. Block scaling forces a
 // promotion (scale and add into an fp32 accumulator) after every 128-deep K block, so a warpgroup holds the
 // promoted accumulator and the wgmma accumulator in registers at once; CUTLASS's blockwise kernels stop at
@@ -26,34 +30,17 @@
 // 128 x 256 (they split the rows; each runs its two column halves in turn), and 128 x 256 in 64-column
 // quarters (SUB = 64: two small accumulators, quarter q promoted while quarter q + 1 runs). The 128 x 256
 // halves variant stores asynchronously instead (ASYNC): its rows are staged in ring stages it holds back from
-// the producer and leave through the TMA while the next tile's mainloop runs.
-
-#include <cuda.h>
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
-#include <cstdint>
+// the producer and leave through the TMA while the next tile's mainloop runs. With an activation (GATED, the
+// 256-column tiles only), a tile's W rows are 128 gate rows and the 128 matching up rows, interleaved in
+// 64-row pieces (one TMA box through a 4-D view of W) so that every thread holds both values of each of its
+// output columns (store_gated).
 
 #include "sm90_launch.cuh"
+#include "sm90_wgmma_common.cuh"
+#include "sm90_wgmma_epilogue.cuh"
 
 namespace fim {
 namespace sm90_wgmma {
-
-constexpr int kBlockK = 128;  // K depth of one stage = the scale block
-constexpr int kMaxExperts = 1024;
-constexpr int kThreads = 384;
-constexpr int kMathWarps = 8;
-
-struct Params {
-  const float* sa;  // [R, K / 128]
-  const float* sw;  // [E, N / 128, K / 128]
-  __nv_bfloat16* out;
-  const int32_t* counts;   // [E]
-  const int32_t* offsets;  // [E + 1] (contiguous) or null (masked: expert e starts at e * capacity)
-  int capacity;
-  int num_groups, n, k;
-  int swizzle, raster;
-};
 
 template <int BM, int BN, int STAGES>
 struct Shape {
@@ -69,148 +56,13 @@ struct Shape {
   static constexpr int kScaleFloats = BM + 4;  // two W scales, padded to keep 16-byte alignment
   // 1024 of slack to align the ring for the 128-byte swizzle, the barriers, the stage scales, per expert
   // the first m tile, the row count and the first row, then 1 KiB per math warp to stage its stores.
-  static constexpr int kSmemBytes =
-      1024 + kPipeBytes + 2 * STAGES * 8 + STAGES * kScaleFloats * 4 + (3 * kMaxExperts + 4) * 4 + kMathWarps * 1024;
+  // Last, two sets of 16 row maxima per math warp (the activation's FP8 output, 64-row tiles: see store_gated).
+  static constexpr int kSmemBytes = 1024 + kPipeBytes + 2 * STAGES * 8 + STAGES * kScaleFloats * 4 +
+                                    (3 * kMaxExperts + 4) * 4 + kMathWarps * 1024 + 2 * kMathWarps * 16 * 4;
   static_assert(kSmemBytes <= 232448, "more than an sm_90 CTA can opt in to");
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void bar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void bar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
-__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(smem_u32(bar)), "r"(parity)
-                 : "memory");
-  } while (!done);
-}
-
-// A 4-byte copy into shared memory, tracked by the stage's barrier through cp_async_arrive.
-__device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
-}
-
-// The barrier counts one arrival when this thread's earlier cp.async copies land (no extra pending count).
-__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
-__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int inner, int outer) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(inner), "r"(outer)
-      : "memory");
-}
-
-// Stores the [16 rows][64 columns] bf16 box at `src` (128-byte swizzled) to `out` at (col, row) through the
-// TMA, asynchronously, tracked as a bulk async-group; the tensor map clips rows and columns past its ends.
-__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int col, int row) {
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(src), "r"(col), "r"(row)
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-
-// Returns once this thread's TMA stores have read their shared-memory source (not once they are written).
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
-__device__ __forceinline__ void sts(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
-}
-
-// Shared-memory matrix descriptor of a K-major tile stored as 128-byte rows with the 128-byte swizzle (what
-// the TMA writes): 8-row atoms of 1024 bytes, so the stride between atoms is 1024; stepping K by 32 inside
-// a row moves the start address, the hardware applying the swizzle on the address bits. The high word is a
-// constant (atom stride, swizzle mode) and the low word is the start address / 16 plus a leading offset of 1,
-// so a k step is an add of 2 to the low word: the loop builds no descriptor from scratch.
-constexpr uint32_t kDescHi = (1024 >> 4) | (1u << 30);
-
-// Shared-memory addresses here are below 256 KiB, so the 14-bit start field takes them whole.
-__device__ __forceinline__ uint32_t desc_lo(uint32_t addr) { return (addr >> 4) | (1u << 16); }
-
-__device__ __forceinline__ uint64_t make_desc(uint32_t lo) { return (static_cast<uint64_t>(kDescHi) << 32) | lo; }
-
-__device__ __forceinline__ float lds(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
-}
-
-// Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma boundaries.
-template <int R>
-__device__ __forceinline__ void fence_regs(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
-      "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-__device__ __forceinline__ void wgmma_m64n64k32(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
 
 __device__ __forceinline__ int rows_of(const Params& p, int e) {
   int rows = p.counts[e];
@@ -298,102 +150,25 @@ __device__ __forceinline__ int issue_block(float (&d)[64], uint64_t* full, Ring&
 }
 
 // Accumulator element i of a 64 x 128 wgmma tile sits at row (warp % 4) * 16 + lane / 4 + 8 * ((i / 2) % 2)
-// and column 8 * (i / 4) + 2 * (lane % 4) + i % 2: elements with bit 1 set are the lower row.
-__device__ __forceinline__ void promote(float (&fin)[64], float (&d)[64], float s_top, float s_low) {
+// and column 8 * (i / 4) + 2 * (lane % 4) + i % 2: elements with bit 1 set are the lower row. Columns 0-63
+// (i < 32) take the scales `top`/`low`, columns 64-127 `top2`/`low2` (they differ for GEMM1's gate and up rows).
+__device__ __forceinline__ void promote(float (&fin)[64], float (&d)[64], float top, float low, float top2,
+                                        float low2) {
   fence_regs(d);
 #pragma unroll
-  for (int i = 0; i < 64; ++i) fin[i] = fmaf(d[i], (i & 2) ? s_low : s_top, fin[i]);
+  for (int i = 0; i < 64; ++i) fin[i] = fmaf(d[i], i < 32 ? ((i & 2) ? low : top) : ((i & 2) ? low2 : top2), fin[i]);
 }
 
-// Stores a warp's 16 rows x (8 * CHUNKS) accumulator columns as bf16 through a 1 KiB staging buffer of its own
-// (shared address `stage`), 32 columns at a time, so that each global store writes whole 64-byte row segments
-// (16 bytes per lane). A row's four 16-byte segments sit in the buffer rotated by (row / 2) % 4, which puts the
-// 32 words a store instruction writes, and the 8 segments a quarter-warp reads back, in distinct banks. `out`
-// points at the warp's first row and column; rows from `valid_rows` on (the expert's end) and columns from
-// `cols` on (N) are skipped.
-template <int CHUNKS>
-__device__ __forceinline__ void store_tile(const float* fin, __nv_bfloat16* out, int64_t ld, int valid_rows, int cols,
-                                           uint32_t stage, int lane) {
-  static_assert(CHUNKS % 4 == 0, "32 columns per pass");
-  const int row = lane / 4, pair = lane % 4, rot = (row >> 1) & 3;  // rows r and r + 8 share the rotation
-  const uint32_t top = stage + (row * 16 + pair) * 4, low = top + 8 * 16 * 4;
-#pragma unroll
-  for (int pass = 0; pass < CHUNKS / 4; ++pass) {
-    if (32 * pass >= cols) break;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float* f = fin + 4 * (4 * pass + j);
-      __nv_bfloat162 t = __floats2bfloat162_rn(f[0], f[1]), l = __floats2bfloat162_rn(f[2], f[3]);
-      sts(top + 16 * (j ^ rot), *reinterpret_cast<uint32_t*>(&t));
-      sts(low + 16 * (j ^ rot), *reinterpret_cast<uint32_t*>(&l));
-    }
-    __syncwarp();
-#pragma unroll
-    for (int it = 0; it < 2; ++it) {
-      const int q = lane + 32 * it, r = q / 4, seg = q % 4;  // 4 segments of 16 bytes per row
-      if (r < valid_rows) {
-        const uint4 v = lds128(stage + r * 64 + 16 * (seg ^ ((r >> 1) & 3)));
-        *reinterpret_cast<uint4*>(out + r * ld + 32 * pass + 8 * seg) = v;
-      }
-    }
-    __syncwarp();
-  }
-}
-
-// Byte offset of 16-byte chunk `c` (8 columns) of row `r` in a warp's four [16][64] bf16 boxes, as the TMA's
-// 128-byte swizzle lays them out: chunk c % 8 of a 128-byte row sits at position (c % 8) ^ (r % 8).
-__device__ __forceinline__ uint32_t box_offset(int r, int c) {
-  return (c / 8) * 2048 + r * 128 + 16 * ((c % 8) ^ (r % 8));
-}
-
-// The asynchronous form of store_tile for a warp's 16 rows x 256 columns: the rows go to shared memory as four
-// [16][64] bf16 boxes at `region` (8 KiB, 1024-byte aligned) in the TMA's 128-byte swizzle (16-byte chunk c of
-// row r at chunk c ^ (r % 8): a store instruction's 32 words fall in distinct banks), then lane 0 hands each box
-// to the TMA, which the warp does not wait for; the caller waits with bulk_wait_read before the region is
-// written again. A warp whose rows pass the expert's end (rows from `valid_rows` on must stay untouched)
-// copies its valid rows out itself instead, synchronously. `row` is the warp's first row of `out`, `col` its
-// first column; columns from `cols` on (N) are skipped.
-__device__ __forceinline__ void store_tile_async(const float* fin, uint32_t region, const CUtensorMap* map,
-                                                 __nv_bfloat16* out, int64_t ld, int row, int col, int valid_rows,
-                                                 int cols, int lane) {
-  const int r = lane / 4;
-  const uint32_t word = region + (lane % 4) * 4;
-#pragma unroll
-  for (int c = 0; c < 32; ++c) {  // 8 columns each
-    const float* f = fin + 4 * c;
-    __nv_bfloat162 t = __floats2bfloat162_rn(f[0], f[1]), l = __floats2bfloat162_rn(f[2], f[3]);
-    sts(word + box_offset(r, c), *reinterpret_cast<uint32_t*>(&t));
-    sts(word + box_offset(r + 8, c), *reinterpret_cast<uint32_t*>(&l));
-  }
-  if (valid_rows >= 16) {
-    // The TMA reads through the async proxy: make the generic stores above visible to it.
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncwarp();
-    if (lane == 0) {
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        if (64 * b < cols) tma_store(map, region + b * 2048, col + 64 * b, row);
-      }
-      bulk_commit();
-    }
-    return;
-  }
-  __syncwarp();
-  for (int q = lane; q < valid_rows * 32; q += 32) {
-    const int rr = q / 32, c = q % 32;  // row, 16-byte chunk
-    if (8 * c < cols) {
-      const uint4 v = lds128(region + box_offset(rr, c));
-      *reinterpret_cast<uint4*>(out + rr * ld + 8 * c) = v;
-    }
-  }
-}
-
-template <int BM, int BN, int STAGES, int SUB, bool ASYNC>
+template <int BM, int BN, int STAGES, int SUB, bool ASYNC, bool GATED>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_block_grouped(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                       const __grid_constant__ CUtensorMap tma_out, const Params p) {
   using S = Shape<BM, BN, STAGES>;
   static_assert(SUB == 128 || (SUB == 64 && S::kWide), "64-column quarters exist for the 128 x 256 tile only");
+  // GATED: GEMM1 with its activation (p.act) in the epilogue; a kernel of its own, so that the plain GEMM keeps
+  // its registers.
+  static_assert(!GATED || BN == 256, "the activation's epilogue needs 256-column tiles");
+  constexpr bool gated = GATED;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + S::kPipeBytes);
@@ -436,13 +211,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  const int n_tiles = (p.n + BN - 1) / BN;
-  const int total = tile_start[num_groups] * n_tiles;
-  const int kblocks = p.k / kBlockK;
+  // Each role computes these itself, after giving away or taking registers: kept live across the split, they
+  // were spilled in the 256-column kernels with an activation.
+  auto tiling = [&](int& n_tiles, int& total, int& kblocks) {
+    n_tiles = (p.n + BN - 1) / BN;
+    total = tile_start[num_groups] * n_tiles;
+    kblocks = p.k / kBlockK;
+  };
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (warp != 0) return;
+    int n_tiles, total, kblocks;
+    tiling(n_tiles, total, kblocks);
     // One warp: lane 0 issues the TMA loads of a stage, every lane copies some of its scales (K-major scales
     // cannot be a TMA box: one column of them is one float per row).
     if (lane == 0) {
@@ -456,26 +237,36 @@ __global__ void __launch_bounds__(kThreads, 1)
       locate(p, tile_start, n_tiles, t, e, mi, ni);
       const int rows = expert_rows[e], first = expert_first[e];
       const int a_row = first + mi * BM;
-      const int w_row = e * p.n + ni * BN;
-      // Rows past the expert copy row 0's scale: their results are never stored.
-      const float* sa_src[BM / 32];
+      // With an activation, the tile's 128 output columns take W rows ni * 128 + [0, 128) of the gate and the same
+      // of the up projection, laid out per 128-row half as 64 gate rows, then their 64 up rows (store_gated).
+      const int w_row = e * p.n + ni * (gated ? BN / 2 : BN);
+      // Rows past the expert copy row 0's scale: their results are never stored. Rows, not pointers: this warp
+      // runs on 40 registers.
+      int sa_row[BM / 32];
 #pragma unroll
       for (int j = 0; j < BM / 32; ++j) {
         const int row = mi * BM + lane + 32 * j;
-        sa_src[j] = p.sa + int64_t(first + (row < rows ? row : 0)) * kblocks;
+        sa_row[j] = first + (row < rows ? row : 0);
       }
-      const float* sw_src = p.sw + (int64_t(e) * n_blocks + min(ni * BN / kBlockK + lane, n_blocks - 1)) * kblocks;
+      const int sw_block = gated ? (lane == 0 ? ni : n_blocks / 2 + ni) : min(ni * BN / kBlockK + lane, n_blocks - 1);
+      const float* sw_src = p.sw + (int64_t(e) * n_blocks + sw_block) * kblocks;
       for (int kb = 0; kb < kblocks; ++kb) {
         bar_wait(&empty[r.stage], r.phase ^ 1);
         if (lane == 0) {
           uint8_t* dst = ring + r.stage * S::kStageBytes;
           bar_expect_tx(&full[r.stage], S::kStageBytes);
           tma_load(dst, &tma_a, &full[r.stage], kb * kBlockK, a_row);
-          tma_load(dst + S::kABytes, &tma_w, &full[r.stage], kb * kBlockK, w_row);
+          if constexpr (gated) {
+            // One box for all four 64-row pieces: one instruction with a 256-row box streamed ~11% faster than
+            // four of 64 rows (docs/perf.md).
+            tma_load_4d(dst + S::kABytes, &tma_w, &full[r.stage], kb * kBlockK, w_row / 64);
+          } else {
+            tma_load(dst + S::kABytes, &tma_w, &full[r.stage], kb * kBlockK, w_row);
+          }
         }
         float* sc = scales + r.stage * S::kScaleFloats;
 #pragma unroll
-        for (int j = 0; j < BM / 32; ++j) cp_async_4(sc + lane + 32 * j, sa_src[j] + kb);
+        for (int j = 0; j < BM / 32; ++j) cp_async_4(sc + lane + 32 * j, p.sa + int64_t(sa_row[j]) * kblocks + kb);
         if (lane < BN / kBlockK) cp_async_4(sc + BM + lane, sw_src + kb);
         cp_async_arrive(&full[r.stage]);
         r.template next<STAGES>();
@@ -485,6 +276,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  int n_tiles, total, kblocks;
+  tiling(n_tiles, total, kblocks);
   const int mw = wg - 1;
   const int wm = BM == 128 ? mw * 64 : 0;   // tile rows this warpgroup owns
   const int wn = BM == 128 ? 0 : mw * 128;  // tile columns this warpgroup owns
@@ -495,6 +288,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t a_lo = ring_lo + ((wm * kBlockK) >> 4), b_lo = ring_lo + ((S::kABytes + wn * kBlockK) >> 4);
   const uint32_t sc_base = smem_u32(scales);
   const uint32_t store_stage = smem_u32(expert_first + kMaxExperts) + (warp - 4) * 1024;
+  float* row_max = reinterpret_cast<float*>(expert_first + kMaxExperts + kMathWarps * 256);  // [2][8 warps][16]
+  // With an activation the stage's two W scales are the gate's (slot 0: the first 64 columns of each 128-column
+  // group) and the up's (slot 1: the other 64); without, one per 128-column group.
   Ring r;
   if constexpr (S::kWide) {
     // Each warpgroup owns 64 x 256. SUB = 128: two 128-column halves in turn through one accumulator. SUB = 64:
@@ -509,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     constexpr int kPerStage = S::kStageBytes / kRegion;
     constexpr int kHold = (kMathWarps + kPerStage - 1) / kPerStage;
     static_assert(kHold <= 2 && kHold + 2 <= STAGES, "the held stages must leave the next tile two to load into");
-    const bool async_out = ASYNC && kblocks >= kHold;
+    const bool async_out = ASYNC && kblocks >= kHold && p.out_kind != kOutF32;
     const int release_at = kblocks > 1 ? 1 : 0;
     const int mwarp = warp - 4;
     // Stages a byte each: `held` collects this tile's, `copying` (with kCopying set) the previous tile's until
@@ -557,17 +353,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float sa_top = lds(sc + 4 * row_in), sa_low = lds(sc + 4 * (row_in + 8));
         if constexpr (SUB == 64) {
           const uint32_t quarter = (64 * kBlockK) >> 4;
+          // Quarters 1 and 2 swap their W scales with an activation (gate, up, gate, up instead of two
+          // quarters per 128-row block).
           const float w0 = lds(sc + 4 * BM), w1 = lds(sc + 4 * (BM + 1));
+          const float w_q1 = gated ? w1 : w0, w_q2 = gated ? w0 : w1;
           issue_group(acc0, a, b);
           issue_group(acc1, a, b + quarter);
           wgmma_wait<1>();
           add(acc0, 0, sa_top * w0, sa_low * w0);
           issue_group(acc0, a, b + 2 * quarter);
           wgmma_wait<1>();
-          add(acc1, 1, sa_top * w0, sa_low * w0);
+          add(acc1, 1, sa_top * w_q1, sa_low * w_q1);
           issue_group(acc1, a, b + 3 * quarter);
           wgmma_wait<1>();
-          add(acc0, 2, sa_top * w1, sa_low * w1);
+          add(acc0, 2, sa_top * w_q2, sa_low * w_q2);
           // The block's last quarter is not overlapped: ptxas serializes every wgmma of the kernel when a
           // group stays in flight across this loop's back edge here.
           wgmma_wait<0>();
@@ -575,31 +374,41 @@ __global__ void __launch_bounds__(kThreads, 1)
         } else {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const float w = lds(sc + 4 * (BM + h)), s_top = sa_top * w, s_low = sa_low * w;
+            const float w = lds(sc + 4 * (BM + (gated ? 0 : h))), w2 = lds(sc + 4 * (BM + (gated ? 1 : h)));
+            const float s_top = sa_top * w, s_low = sa_low * w, s_top2 = sa_top * w2, s_low2 = sa_low * w2;
             issue_group(acc, a, b + h * ((128 * kBlockK) >> 4));
             if (h == 0 && kb == release_at) release();
             wgmma_wait<0>();
             fence_regs(acc);
 #pragma unroll
-            for (int i = 0; i < 64; ++i) fin[64 * h + i] = fmaf(acc[i], (i & 2) ? s_low : s_top, fin[64 * h + i]);
+            for (int i = 0; i < 64; ++i) {
+              const float s = i < 32 ? ((i & 2) ? s_low : s_top) : ((i & 2) ? s_low2 : s_top2);
+              fin[64 * h + i] = fmaf(acc[i], s, fin[64 * h + i]);
+            }
           }
         }
         if (!hold(kb, stage) && lane == 0) bar_arrive(&empty[stage]);
         r.template next<STAGES>();
       }
       const int row0 = mi * BM + wm + (warp % 4) * 16, col0 = ni * BN;
-      __nv_bfloat16* dst = p.out + (first + row0) * p.n + col0;
+      __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (first + row0) * p.n + col0;
       if (async_out) {
         // Both warpgroups must be done reading the held stages before either writes into them.
         asm volatile("bar.sync 1, 256;" ::: "memory");
         const uint32_t stage = (held >> (8 * (mwarp / kPerStage))) & 0xff;
         const uint32_t region = smem_u32(ring) + stage * S::kStageBytes + (mwarp % kPerStage) * kRegion;
-        store_tile_async(fin, region, &tma_out, dst, p.n, static_cast<int>(first) + row0, col0, rows - row0, p.n - col0,
-                         lane);
+        if constexpr (gated) {
+          store_gated_async(fin, p, region, &tma_out, first + row0, ni * 128, ni, rows - row0, lane);
+        } else {
+          store_tile_async(fin, region, &tma_out, dst, p.n, static_cast<int>(first) + row0, col0, rows - row0,
+                           p.n - col0, lane);
+        }
         copying = held | kCopying;
         held = 0;
+      } else if constexpr (gated) {
+        store_gated<128>(fin, p, first + row0, ni * 128, ni, rows - row0, store_stage, lane, nullptr, nullptr, 0, true);
       } else {
-        store_tile<32>(fin, dst, p.n, rows - row0, p.n - col0, store_stage, lane);
+        store_tile<kOutBf16, 32>(fin, dst, p.n, rows - row0, p.n - col0, store_stage, lane);
       }
     }
     release();
@@ -610,10 +419,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Promotes the block held in stage `st` (its wgmma group complete) and hands the stage back.
   auto finish = [&](float (&d)[64], int st) {
     const uint32_t sc = sc_base + st * S::kScaleFloats * 4;
-    const float w = lds(sc + 4 * (BM + wn / kBlockK));
-    promote(fin, d, lds(sc + 4 * row_in) * w, lds(sc + 4 * (row_in + 8)) * w);
+    const float w = lds(sc + 4 * (BM + (gated ? 0 : wn / kBlockK)));
+    const float w2 = lds(sc + 4 * (BM + (gated ? 1 : wn / kBlockK)));
+    const float top = lds(sc + 4 * row_in), low = lds(sc + 4 * (row_in + 8));
+    promote(fin, d, top * w, low * w, top * w2, low * w2);
     if (lane == 0) bar_arrive(&empty[st]);
   };
+  int parity = 0;  // which set of row_max this tile uses
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     int e, mi, ni;
     locate(p, tile_start, n_tiles, t, e, mi, ni);
@@ -646,13 +458,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       finish(acc0, st0);
     }
     const int row0 = mi * BM + wm + (warp % 4) * 16, col0 = ni * BN + wn;
-    store_tile<16>(fin, p.out + (first + row0) * p.n + col0, p.n, rows - row0, p.n - col0, store_stage, lane);
+    if constexpr (gated) {
+      // 64-row tiles: the warps 4 apart hold the same rows (warpgroups split the columns).
+      const int mwarp = warp - 4;
+      float* sets = row_max + parity * kMathWarps * 16;
+      store_gated<64>(fin, p, first + row0, ni * 128 + wn / 2, ni, rows - row0, store_stage, lane,
+                      BM == 64 ? sets + mwarp * 16 : nullptr, sets + (mwarp ^ 4) * 16, 2 + warp % 4,
+                      BM == 128 || mw == 0);
+      parity ^= 1;
+    } else {
+      store_tile<kOutBf16, 16>(fin, static_cast<__nv_bfloat16*>(p.out) + (first + row0) * p.n + col0, p.n, rows - row0,
+                               p.n - col0, store_stage, lane);
+    }
   }
 }
 
 #else
 
-template <int BM, int BN, int STAGES, int SUB, bool ASYNC>
+template <int BM, int BN, int STAGES, int SUB, bool ASYNC, bool GATED>
 __global__ void fp8_block_grouped(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
                                   const __grid_constant__ CUtensorMap, const Params) {}
 
@@ -697,46 +520,87 @@ bool encode_operand(CUtensorMap* map, const void* base, uint64_t k, uint64_t out
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
+// GEMM1's weights [E, N, K] (N = 2 I: gate rows, then up rows) as a 4-D tensor {K, 64 rows, gate or up, 64-row
+// block of [E * N]}, so that one box {128, 64, 2, 2} at block b brings rows 64 b + [0, 64) of the gate, the same
+// rows of the up projection (I rows on), then the next 64 of each: the interleaved order store_gated expects.
+bool encode_gated_weights(CUtensorMap* map, const void* base, uint64_t k, uint64_t n, uint64_t num_groups) {
+  EncodeTiled fn = encode_fn();
+  if (!fn) return false;
+  const cuuint64_t dims[4] = {k, 64, 2, num_groups * n / 64};
+  const cuuint64_t strides[3] = {k, (n / 2) * k, 64 * k};
+  const cuuint32_t box[4] = {kBlockK, 64, 2, 2};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int BM, int BN, int STAGES, int SUB, bool ASYNC, bool GATED>
+int start(const CUtensorMap& map_a, const CUtensorMap& map_w, const CUtensorMap& map_out, const Params& p, int sm_count,
+          cudaStream_t stream) {
+  using S = Shape<BM, BN, STAGES>;
+  auto kernel = fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC, GATED>;
+  const cudaError_t err =
+      sm90::opt_in_shared_memory<fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC, GATED>>(S::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<sm_count, kThreads, S::kSmemBytes, stream>>>(map_a, map_w, map_out, p);
+  return cudaGetLastError();
+}
+
 template <int BM, int BN, int STAGES, int SUB, bool ASYNC>
 int run(const void* a, const float* a_scale, const void* w, const float* w_scale, void* out, const int32_t* counts,
-        const int32_t* offsets, int capacity, int num_groups, int rows, int n, int k, int swizzle, int raster,
-        int sm_count, cudaStream_t stream) {
+        const int32_t* offsets, int capacity, int num_groups, int rows, int n, int k, int swizzle, int raster, int act,
+        float alpha, float limit, float* out_scale, int out_kind, int sm_count, cudaStream_t stream) {
   using S = Shape<BM, BN, STAGES>;
   if (num_groups < 1 || num_groups > kMaxExperts || rows < 0 || n < kBlockK || k < kBlockK || n % kBlockK ||
       k % kBlockK || sm_count < 1 || !sm90::valid_order(swizzle, raster) || (!offsets && capacity < 0)) {
+    return cudaErrorInvalidValue;
+  }
+  // An activation needs 256-column tiles (one 128-column output group each) and N = 2 I with I a multiple of
+  // 128; without one the output is bf16.
+  const bool gated = act != kActNone;
+  if (act < kActNone || act > kActClampedSilu || out_kind < kOutBf16 || out_kind > kOutE4m3 ||
+      (gated && (BN != 256 || n % 256)) || (!gated && out_kind != kOutBf16) ||
+      ((out_kind == kOutE4m3) != (out_scale != nullptr))) {
     return cudaErrorInvalidValue;
   }
   if (int64_t(num_groups) * n >= (int64_t(1) << 31) || int64_t(num_groups) * capacity >= (int64_t(1) << 31)) {
     return cudaErrorInvalidValue;  // TMA coordinates and first rows are 32-bit
   }
   if (rows == 0) return cudaSuccess;
-  const cudaError_t err = sm90::opt_in_shared_memory<fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC>>(S::kSmemBytes);
-  if (err != cudaSuccess) return err;
   CUtensorMap map_a, map_w, map_out{};
-  // The bf16 output is written in [16][64] boxes (store_tile_async), only by the asynchronous epilogue.
-  if (!encode_operand(&map_a, a, k, rows, BM) || !encode_operand(&map_w, w, k, uint64_t(num_groups) * n, BN) ||
-      (ASYNC &&
-       !encode(&map_out, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, rows, 64, 16, CU_TENSOR_MAP_L2_PROMOTION_NONE))) {
+  // The asynchronous epilogue's output boxes: 16 rows of 128 bytes (64 bf16 or 128 e4m3 columns); fp32 output
+  // is stored in place.
+  const uint64_t out_cols = gated ? n / 2 : n;
+  const bool out_map = ASYNC && out_kind != kOutF32;
+  const bool fp8_out = out_kind == kOutE4m3;
+  if (!encode_operand(&map_a, a, k, rows, BM) ||
+      !(gated ? encode_gated_weights(&map_w, w, k, n, num_groups)
+              : encode_operand(&map_w, w, k, uint64_t(num_groups) * n, BN)) ||
+      (out_map && !encode(&map_out, out, fp8_out ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                          fp8_out ? 1 : 2, out_cols, rows, fp8_out ? 128 : 64, 16, CU_TENSOR_MAP_L2_PROMOTION_NONE))) {
     return cudaErrorInvalidValue;
   }
-  Params p{a_scale, w_scale, static_cast<__nv_bfloat16*>(out), counts, offsets, capacity, num_groups, n,
-           k,       swizzle, raster == 0 ? 1 : raster};
-  fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC>
-      <<<sm_count, kThreads, S::kSmemBytes, stream>>>(map_a, map_w, map_out, p);
-  return cudaGetLastError();
+  Params p{a_scale,  w_scale,    out,   out_scale, counts,  offsets,
+           capacity, num_groups, n,     k,         swizzle, raster == 0 ? 1 : raster,
+           act,      out_kind,   alpha, limit};
+  if constexpr (BN == 256) {
+    if (gated) return start<BM, BN, STAGES, SUB, ASYNC, true>(map_a, map_w, map_out, p, sm_count, stream);
+  }
+  return start<BM, BN, STAGES, SUB, ASYNC, false>(map_a, map_w, map_out, p, sm_count, stream);
 }
 
 }  // namespace sm90_wgmma
 }  // namespace fim
 
 #define FIM_SM90_WGMMA_EXPORT(NAME, BM, BN, STAGES, SUB, ASYNC)                                                       \
-  extern "C" int fim_sm90_fp8_block_wgmma_##NAME(const void* a, const float* a_scale, const void* w,                  \
-                                                 const float* w_scale, void* out, const int32_t* counts,              \
-                                                 const int32_t* offsets, int capacity, int num_groups, int rows,      \
-                                                 int n, int k, int swizzle, int raster, int sm_count, void* stream) { \
-    return fim::sm90_wgmma::run<BM, BN, STAGES, SUB, ASYNC>(a, a_scale, w, w_scale, out, counts, offsets, capacity,   \
-                                                            num_groups, rows, n, k, swizzle, raster, sm_count,        \
-                                                            static_cast<cudaStream_t>(stream));                       \
+  extern "C" int fim_sm90_fp8_block_wgmma_##NAME(                                                                     \
+      const void* a, const float* a_scale, const void* w, const float* w_scale, void* out, const int32_t* counts,     \
+      const int32_t* offsets, int capacity, int num_groups, int rows, int n, int k, int swizzle, int raster, int act, \
+      float alpha, float limit, float* out_scale, int out_kind, int sm_count, void* stream) {                         \
+    return fim::sm90_wgmma::run<BM, BN, STAGES, SUB, ASYNC>(                                                          \
+        a, a_scale, w, w_scale, out, counts, offsets, capacity, num_groups, rows, n, k, swizzle, raster, act, alpha,  \
+        limit, out_scale, out_kind, sm_count, static_cast<cudaStream_t>(stream));                                     \
   }
 
 // The asynchronous epilogue only where it measured faster (docs/perf.md): 128 x 256 in halves.
