@@ -15,10 +15,12 @@ from flashinfer_moe._ops import LIB, on_device
 
 from . import gemm_config
 
-# Codes shared with moe/gemm_kernel.py (kept here so that the CPU path never imports Triton).
+# Codes shared with moe/gemm_kernel.py (kept here so that the CPU path never imports Triton); the activation
+# codes also with the Hopper wgmma kernel (csrc/gemm/sm90_wgmma_common.cuh, through moe/gemm_sm90.py).
 A_NONE, A_TENSOR, A_ROW, A_GROUP = 0, 1, 2, 3
 W_NONE, W_EXPERT, W_BLOCK = 0, 1, 2
 ACT_CODES = {None: 0, "silu": 1, "clamped_silu": 2}
+ACT_NAMES = {code: name for name, code in ACT_CODES.items()}
 BLOCK = 128  # FP8 block-scale granularity along K (and weight rows)
 NO_CAPACITY = 2**31 - 1
 
@@ -32,7 +34,7 @@ LIB.define(
 def _gemm_cpu(
     a, w, counts, offsets, a_scale, w_scale, out, out_scale, a_mode, w_mode, act, alpha, limit, capacity, fast_accum
 ):
-    kind = {v: k for k, v in ACT_CODES.items()}[act]
+    kind = ACT_NAMES[act]
     counts = counts.clamp(max=capacity)
     if offsets is None:
         offsets = torch.arange(counts.shape[0], dtype=torch.int32) * capacity
@@ -79,7 +81,6 @@ def _gemm_cuda(
         )
         if chosen:
             # GEMM1 in one kernel: the activation (and FP8 groups) in the epilogue, no [R, 2I] intermediate.
-            kind = {v: k_ for k_, v in ACT_CODES.items()}[act]
             with on_device(a):
                 gemm_sm90.launch(
                     a,
@@ -91,7 +92,7 @@ def _gemm_cuda(
                     offsets,
                     cap,
                     *chosen,
-                    activation=kind,
+                    activation=ACT_NAMES[act],
                     alpha=alpha,
                     limit=limit,
                     out_scale=out_scale,

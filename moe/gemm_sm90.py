@@ -22,6 +22,8 @@ from flashinfer_moe._ops import check_launch, kernel_library, stream_of
 from flashinfer_moe.errors import JitError
 from flashinfer_moe.jit import KernelSpec, register
 
+from .gemm_op import ACT_CODES
+
 logger = logging.getLogger("flashinfer_moe")
 
 SPEC = register(
@@ -58,7 +60,6 @@ WGMMA_CONFIGS = {"wg128": "m128n128", "wg64": "m64n256", "wg128w": "m128n256", "
 CONFIGS = (*CUTLASS_CONFIGS, *WGMMA_CONFIGS)
 # Ours with GEMM1's activation in the epilogue: the 256-column tiles (one 128-column output group per tile).
 GATED_CONFIGS = ("wg64", "wg128w", "wg128q")
-ACT_CODES = {None: 0, "silu": 1, "clamped_silu": 2}  # as in csrc/gemm/sm90_fp8_block_wgmma.cu
 _OUT_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float8_e4m3fn: 2}
 
 _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -149,12 +150,15 @@ def pick_gated(rows: int, num_experts: int, capacity: int | None, n: int, k: int
     its epilogue, else None (the caller splits: GEMM, then ``moe/act_kernel.py``)."""
     if not FUSED_ACTIVATION or n % 256:
         return None
-    config, swizzle, raster = pick(rows, num_experts, capacity, n, k)
-    if config in GATED_CONFIGS:
-        return config, swizzle, raster
-    if config in CUTLASS_CONFIGS and num_experts <= WGMMA_MAX_EXPERTS and not _headers_found():
-        return "wg128w", *DEFAULT_ORDERS["wg128w"]  # as launch falls back without the headers
-    return None
+    chosen = _buildable(pick(rows, num_experts, capacity, n, k), num_experts)
+    return chosen if chosen[0] in GATED_CONFIGS else None
+
+
+def _buildable(chosen: tuple[str, int, str], num_experts: int) -> tuple[str, int, str]:
+    """``pick``'s ``chosen``, or the closest of ours where it is CUTLASS's and CUTLASS's headers are missing."""
+    if chosen[0] in CUTLASS_CONFIGS and num_experts <= WGMMA_MAX_EXPERTS and not _headers_found():
+        return "wg128w", *DEFAULT_ORDERS["wg128w"]  # docs/perf.md
+    return chosen
 
 
 # Rows per expert from which GEMM1 with a gated activation runs as this GEMM plus a separate activation pass
@@ -264,9 +268,7 @@ def launch(
             )
         config, swizzle, raster = chosen
     elif config is None:
-        config, swizzle, raster = pick(a.shape[0], num_experts, capacity, n, k)
-        if config in CUTLASS_CONFIGS and num_experts <= WGMMA_MAX_EXPERTS and not _headers_found():
-            config, (swizzle, raster) = "wg128w", DEFAULT_ORDERS["wg128w"]  # the closest of ours (docs/perf.md)
+        config, swizzle, raster = _buildable(pick(a.shape[0], num_experts, capacity, n, k), num_experts)
     if config not in CONFIGS:
         raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
     if gated and (config not in GATED_CONFIGS or n % 256):

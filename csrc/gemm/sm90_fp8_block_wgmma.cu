@@ -152,8 +152,8 @@ __device__ __forceinline__ int issue_block(float (&d)[64], uint64_t* full, Ring&
 // Accumulator element i of a 64 x 128 wgmma tile sits at row (warp % 4) * 16 + lane / 4 + 8 * ((i / 2) % 2)
 // and column 8 * (i / 4) + 2 * (lane % 4) + i % 2: elements with bit 1 set are the lower row. Columns 0-63
 // (i < 32) take the scales `top`/`low`, columns 64-127 `top2`/`low2` (they differ for GEMM1's gate and up rows).
-__device__ __forceinline__ void promote(float (&fin)[64], float (&d)[64], float top, float low, float top2,
-                                        float low2) {
+// `fin` is 64 registers of the promoted accumulator (a whole one, or a half of the 128 x 256 tile's).
+__device__ __forceinline__ void promote(float* fin, float (&d)[64], float top, float low, float top2, float low2) {
   fence_regs(d);
 #pragma unroll
   for (int i = 0; i < 64; ++i) fin[i] = fmaf(d[i], i < 32 ? ((i & 2) ? low : top) : ((i & 2) ? low2 : top2), fin[i]);
@@ -379,12 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             issue_group(acc, a, b + h * ((128 * kBlockK) >> 4));
             if (h == 0 && kb == release_at) release();
             wgmma_wait<0>();
-            fence_regs(acc);
-#pragma unroll
-            for (int i = 0; i < 64; ++i) {
-              const float s = i < 32 ? ((i & 2) ? s_low : s_top) : ((i & 2) ? s_low2 : s_top2);
-              fin[64 * h + i] = fmaf(acc[i], s, fin[64 * h + i]);
-            }
+            promote(fin + 64 * h, acc, s_top, s_low, s_top2, s_low2);
           }
         }
         if (!hold(kb, stage) && lane == 0) bar_arrive(&empty[stage]);
@@ -539,9 +534,8 @@ template <int BM, int BN, int STAGES, int SUB, bool ASYNC, bool GATED>
 int start(const CUtensorMap& map_a, const CUtensorMap& map_w, const CUtensorMap& map_out, const Params& p, int sm_count,
           cudaStream_t stream) {
   using S = Shape<BM, BN, STAGES>;
-  auto kernel = fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC, GATED>;
-  const cudaError_t err =
-      sm90::opt_in_shared_memory<fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC, GATED>>(S::kSmemBytes);
+  constexpr auto kernel = fp8_block_grouped<BM, BN, STAGES, SUB, ASYNC, GATED>;
+  const cudaError_t err = sm90::opt_in_shared_memory<kernel>(S::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<sm_count, kThreads, S::kSmemBytes, stream>>>(map_a, map_w, map_out, p);
   return cudaGetLastError();
