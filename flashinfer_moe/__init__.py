@@ -31,6 +31,7 @@ from .moe.gemm import (
     grouped_gemm_fp8_tensor_masked,
 )
 from .moe.layout import moe_align_contiguous, moe_align_masked
+from .moe.packed import PackedFp8BlockWeights, pack_fp8_block_weights
 from .moe.permute import combine, permute, permute_fp8_per_tensor, permute_fp8_per_token_group, permute_nvfp4
 from .moe.quant import (
     dequantize_nvfp4,
@@ -49,6 +50,7 @@ __all__ = [
     "JitError",
     "KernelLaunchError",
     "MoELayer",
+    "PackedFp8BlockWeights",
     "combine",
     "dequantize_nvfp4",
     "fused_moe",
@@ -60,6 +62,7 @@ __all__ = [
     "grouped_gemm_fp8_tensor_masked",
     "moe_align_contiguous",
     "moe_align_masked",
+    "pack_fp8_block_weights",
     "permute",
     "permute_fp8_per_tensor",
     "permute_fp8_per_token_group",

@@ -14,7 +14,8 @@ Tables:
 The FP8 block-scaled rows also time each backend of that GEMM in the same run: on Hopper the CUTLASS kernels
 (``coop``: 128x128 tiles; ``pingpong``: 64x128) and our wgmma kernel (``wg64``: 64x256 tiles; ``wg128w``:
 128x256 in two halves; ``wg128q``: 128x256 in quarters), each in its default tile order, and the Triton kernel
-(``triton``); the plain column is the default choice.
+(``triton``); the plain column is the default choice. The masked and fused rows also time the same weights
+packed by ``pack_fp8_block_weights`` (``packed``), in the same rotation.
 
 Kernel times are medians of CUDA-graph replays (inputs cycling through several sets where they are small
 enough, so that L2 does not hold them); the torch per-expert loops are timed eagerly, as they must sync. The
@@ -95,9 +96,10 @@ BLOCK_BACKENDS = ("coop", "pingpong", "wg64", "wg128w", "wg128q", "triton")
 SETTLE_MS = 300.0
 
 
-def time_block_backends(fn, baseline=None, rounds: int = 3, **kw) -> dict[str, float]:
+def time_block_backends(fn, baseline=None, rounds: int = 3, extra=None, **kw) -> dict[str, float]:
     """Median over ``rounds`` of ``time_graph`` for ``fn`` under the default choice (``auto``) and each of
-    ``BLOCK_BACKENDS`` (Hopper ones only on sm_90), and for ``baseline`` if given (``baseline``).
+    ``BLOCK_BACKENDS`` (Hopper ones only on sm_90), for ``baseline`` if given (``baseline``), and for each of
+    ``extra`` (name -> a function like ``fn``, timed under the default choice).
 
     Each round times them all in turn, each after ``SETTLE_MS`` of its own replays: sustained FP8 GEMMs are
     power-limited on an H200, and a kernel timed right after a lighter phase reads faster.
@@ -106,14 +108,16 @@ def time_block_backends(fn, baseline=None, rounds: int = 3, **kw) -> dict[str, f
     names = ["auto"]
     names += [n for n in BLOCK_BACKENDS if n == "triton" or torch.cuda.get_device_capability() == (9, 0)]
     samples: dict[str, list[float]] = {n: [] for n in names}
+    others = dict(extra or {})
     if baseline is not None:
-        samples["baseline"] = []
+        others["baseline"] = baseline
+    samples.update({n: [] for n in others})
     for _ in range(rounds):
         for name in names:
             with block_backend(name):
                 samples[name].append(time_graph(fn, **kw))
-        if baseline is not None:
-            samples["baseline"].append(time_graph(baseline, **kw))
+        for name, other in others.items():
+            samples[name].append(time_graph(other, **kw))
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
@@ -200,14 +204,17 @@ def masked_rows(rows: list[dict]) -> None:
     num_experts, n, k = 32, 4096, 7168
     sets = 3  # 3 weight sets of 0.94 GB each: no weight stays in L2 between calls
     ws = [_fp8_weights(num_experts, n, k) for _ in range(sets)]
+    packed = [fm.pack_fp8_block_weights(w) for w, _ in ws]  # the same weights packed (pack_fp8_block_weights)
     for per_expert in (16, 64, 128):
         a, a_s = _fp8_rows(num_experts * per_expert, k)
         a, a_s = a.view(num_experts, per_expert, k), a_s.view(num_experts, per_expert, -1)
         counts = torch.full((num_experts,), per_expert, dtype=torch.int32, device=DEV)
         out = torch.empty(num_experts, per_expert, n, dtype=torch.bfloat16, device=DEV)
+        gemm = fm.grouped_gemm_fp8_block_masked
         variants = time_block_backends(
-            lambda i: fm.grouped_gemm_fp8_block_masked(a, a_s, ws[i % sets][0], ws[i % sets][1], counts, out=out),
+            lambda i: gemm(a, a_s, ws[i % sets][0], ws[i % sets][1], counts, out=out),
             calls=6,
+            extra={"packed": lambda i: gemm(a, a_s, packed[i % sets], ws[i % sets][1], counts, out=out)},
         )
         us = variants.pop("auto")
         sa, sb = torch.rand(per_expert, 1, device=DEV) + 0.5, torch.rand(1, n, device=DEV) + 0.5
@@ -280,6 +287,7 @@ def fused_rows(rows: list[dict]) -> None:
     for num_experts in (256, 64):
         w13, s13 = _fp8_weights(num_experts, 2 * inter, h)
         w2, s2 = _fp8_weights(num_experts, h, inter)
+        p13, p2 = fm.pack_fp8_block_weights(w13, gated=True), fm.pack_fp8_block_weights(w2)
         baseline = TorchLayer(w13, w2)
         for t in (1, 16, 128, 4096):
             x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
@@ -287,7 +295,12 @@ def fused_rows(rows: list[dict]) -> None:
             weights, ids = fm.route(logits, k)
             out = torch.empty(t, h, dtype=torch.bfloat16, device=DEV)
             kw = dict(quant="fp8_block", w13_scale=s13, w2_scale=s2, out=out, validate=False)
-            us = time_graph(lambda i: fm.fused_moe(x, w13, w2, weights, ids, **kw), calls=5, reps=7)
+            # Plain and packed weights alternately, two rounds each, medians.
+            plain, packed = [], []
+            for _ in range(2):
+                plain.append(time_graph(lambda i: fm.fused_moe(x, w13, w2, weights, ids, **kw), calls=5, reps=7))
+                packed.append(time_graph(lambda i: fm.fused_moe(x, p13, p2, weights, ids, **kw), calls=5, reps=7))
+            us, packed_us = statistics.median(plain), statistics.median(packed)
             eager = time_eager(lambda: fm.fused_moe(x, w13, w2, weights, ids, **kw), calls=10, reps=5)
             base = time_eager(lambda: baseline(x, weights, ids), calls=3, reps=3)
             active = int((torch.bincount(ids.reshape(-1), minlength=num_experts) > 0).sum())
@@ -298,6 +311,7 @@ def fused_rows(rows: list[dict]) -> None:
                     experts=num_experts,
                     tokens=t,
                     graph_us=us,
+                    packed_graph_us=packed_us,
                     eager_us=eager,
                     torch_us=base,
                     speedup=base / us,

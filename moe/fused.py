@@ -15,6 +15,7 @@ from flashinfer_moe import _checks
 
 from . import gemm
 from .layout import moe_align_contiguous
+from .packed import PackedFp8BlockWeights
 from .permute import combine, permute, permute_fp8_per_tensor, permute_fp8_per_token_group
 from .quant import FLOATS, FP8, quantize_fp8_per_tensor
 
@@ -23,23 +24,38 @@ __all__ = ["fused_moe"]
 QUANTS = (None, "fp8_block", "fp8_tensor")
 
 
+def _weight(name: str, w: object, doc: str, quant: str | None, gated: bool):
+    """``(shape, dtype)`` of a weight given plain or packed (:func:`pack_fp8_block_weights`)."""
+    if isinstance(w, PackedFp8BlockWeights):
+        if quant != "fp8_block":
+            raise ValueError(
+                f"{name} must be a tensor with quant={quant!r} (packed weights are FP8 block-scaled), got packed"
+            )
+        if w.gated != gated:
+            raise ValueError(f"{name} must be packed with gated={gated} ({doc}), got gated={w.gated}")
+        return w.shape, w.dtype
+    w = _checks.tensor(name, w)
+    _checks.ndim(name, w, 3, doc)
+    return tuple(w.shape), w.dtype
+
+
 def _check_weights(quant, hidden, w13, w2, w13_scale, w2_scale) -> tuple[int, int]:
-    w13 = _checks.tensor("w13", w13)
-    w2 = _checks.tensor("w2", w2)
-    _checks.ndim("w13", w13, 3, "[E, 2I, H]")
-    _checks.ndim("w2", w2, 3, "[E, H, I]")
-    num_experts, two_i, h = w13.shape
+    w13_shape, w13_dtype = _weight("w13", w13, "[E, 2I, H]", quant, True)
+    w2_shape, w2_dtype = _weight("w2", w2, "[E, H, I]", quant, False)
+    num_experts, two_i, h = w13_shape
     if h != hidden.shape[1]:
-        raise ValueError(f"w13 must have H = {hidden.shape[1]} columns (as hidden_states), got {tuple(w13.shape)}")
+        raise ValueError(f"w13 must have H = {hidden.shape[1]} columns (as hidden_states), got {w13_shape}")
     if two_i == 0 or two_i % 2:
-        raise ValueError(f"w13 must have 2I rows (gate then up), an even number, got {tuple(w13.shape)}")
-    if tuple(w2.shape) != (num_experts, h, two_i // 2):
-        raise ValueError(f"w2 must have shape {(num_experts, h, two_i // 2)} ([E, H, I]), got {tuple(w2.shape)}")
+        raise ValueError(f"w13 must have 2I rows (gate then up), an even number, got {w13_shape}")
+    if w2_shape != (num_experts, h, two_i // 2):
+        raise ValueError(f"w2 must have shape {(num_experts, h, two_i // 2)} ([E, H, I]), got {w2_shape}")
     wanted = (torch.bfloat16, torch.float16) if quant is None else (FP8,)
-    _checks.dtype_in("w13", w13, wanted)
-    _checks.dtype_in("w2", w2, wanted)
-    if w2.dtype != w13.dtype:
-        raise TypeError(f"w2 must have the dtype of w13 ({w13.dtype}), got {w2.dtype}")
+    for name, dtype in (("w13", w13_dtype), ("w2", w2_dtype)):
+        if dtype not in wanted:
+            names = ", ".join(str(d).replace("torch.", "") for d in wanted)
+            raise TypeError(f"{name} must have dtype in ({names}), got {str(dtype).replace('torch.', '')}")
+    if w2_dtype != w13_dtype:
+        raise TypeError(f"w2 must have the dtype of w13 ({w13_dtype}), got {w2_dtype}")
     for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         if quant is None and s is not None:
             raise ValueError(f"{name} must be None without quant, got a tensor of shape {tuple(s.shape)}")
@@ -72,8 +88,9 @@ def fused_moe(
 
     Args:
         hidden_states: `[T, H]` bfloat16/float16 (float32 is accepted and computed in bf16).
-        w13: `[E, 2I, H]` gate rows then up rows: bf16/fp16 without ``quant``, float8_e4m3fn with it.
-        w2: `[E, H, I]`, the dtype of ``w13``.
+        w13: `[E, 2I, H]` gate rows then up rows: bf16/fp16 without ``quant``, float8_e4m3fn with it; with
+            ``"fp8_block"`` also packed (``pack_fp8_block_weights(w13, gated=True)``: faster on Hopper).
+        w2: `[E, H, I]`, the dtype of ``w13``; with ``"fp8_block"`` also packed (``gated=False``).
         topk_weights: `[T, k]` routing weights.
         topk_ids: `[T, k]` int32 expert ids in ``[0, E)``; -1 skips a slot.
         quant: ``None``; ``"fp8_block"`` (DeepSeek-V3: activations quantized per token and 128 channels,
@@ -103,6 +120,7 @@ def fused_moe(
     if quant != "fp8_tensor" and (a13_scale is not None or a2_scale is not None):
         raise ValueError(f"a13_scale and a2_scale apply to quant='fp8_tensor' only, got quant={quant!r}")
     for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        t = t.data if isinstance(t, PackedFp8BlockWeights) else t
         _checks.same_device(name, _checks.tensor(name, t), "hidden_states", hidden)
     out_dtype = hidden.dtype
     act = dict(activation=activation, alpha=alpha, limit=limit)

@@ -18,7 +18,23 @@ import torch
 from flashinfer_moe import _checks
 from flashinfer_moe.layout import ExpertLayout
 
-from .gemm_op import A_GROUP, A_NONE, A_ROW, A_TENSOR, ACT_CODES, BLOCK, NO_CAPACITY, W_BLOCK, W_EXPERT, W_NONE, run
+from .gemm_op import (
+    A_GROUP,
+    A_NONE,
+    A_ROW,
+    A_TENSOR,
+    ACT_CODES,
+    BLOCK,
+    NO_CAPACITY,
+    W_BLOCK,
+    W_EXPERT,
+    W_NONE,
+    W_PACKED,
+    W_PACKED_GATED,
+    W_PLAIN,
+    run,
+)
+from .packed import PackedFp8BlockWeights
 from .quant import FLOATS, FP8, check_out, out_buffers
 
 __all__ = [
@@ -55,6 +71,28 @@ def _weights(w: object, a: torch.Tensor, dtypes) -> torch.Tensor:
     if 0 in w.shape:
         raise ValueError(f"w must have at least one expert, row and column, got shape {tuple(w.shape)}")
     return w
+
+
+def _packed_weights(w: PackedFp8BlockWeights, a: torch.Tensor, block: bool, activation: object) -> int:
+    """Checks packed weights against the call; returns their ``w_packed`` code."""
+    if not block:
+        raise TypeError(
+            "w must be a tensor for the per-tensor GEMM (packed weights are block-scaled), got packed weights"
+        )
+    data = _checks.tensor("w.data", w.data)
+    _checks.ndim("w.data", data, 5, "[E, N / 256, K / 128, 256, 128]")
+    _checks.dtype_in("w.data", data, (FP8,))
+    if tuple(data.shape[3:]) != (256, 128) or not data.is_contiguous():
+        raise ValueError(f"w.data must be contiguous [E, N / 256, K / 128, 256, 128], got shape {tuple(data.shape)}")
+    _checks.same_device("w", data, "a", a)
+    if w.shape[2] != a.shape[-1]:
+        raise ValueError(f"w must have K = {a.shape[-1]} columns (as a), got shape {w.shape}")
+    if w.gated != (activation is not None):
+        raise ValueError(
+            f"w was packed with gated={w.gated}, which is for GEMM1 {'with' if w.gated else 'without'} an activation;"
+            f" got activation={activation!r}"
+        )
+    return W_PACKED_GATED if w.gated else W_PACKED
 
 
 def _activation(activation: object, w: torch.Tensor, alpha: object, limit: object) -> tuple[int, int, float, float]:
@@ -141,7 +179,10 @@ def _fp8(
     fast_accum=False,
 ):
     a = _operand("a", a, 3 if masked else 2, "[E, C, K]" if masked else "[R, K]", (FP8,))
-    w = _weights(w, a, (FP8,))
+    packed = isinstance(w, PackedFp8BlockWeights)
+    w_packed = _packed_weights(w, a, block, activation) if packed else W_PLAIN
+    if not packed:
+        w = _weights(w, a, (FP8,))
     counts, offsets, capacity = _rows_and_groups(a, layout, masked)
     _check_experts(w, counts, "tokens_per_expert" if masked else "layout")
     act, n, alpha, limit = _activation(activation, w, alpha, limit)
@@ -162,7 +203,10 @@ def _fp8(
     # The kernel sees the rows flattened: [rows] per row, [rows, K / 128] per row and group.
     a_scale = a_scale.reshape(-1, k // BLOCK) if a_mode == A_GROUP else a_scale.reshape(-1)
     outs = _outputs(out, a, n, out_dtype, quantize_output)
-    return run(a, w, counts, offsets, capacity, a_scale, w_scale, outs, a_mode, w_mode, act, alpha, limit, fast_accum)
+    w = w.data if packed else w
+    return run(
+        a, w, counts, offsets, capacity, a_scale, w_scale, outs, a_mode, w_mode, act, alpha, limit, fast_accum, w_packed
+    )
 
 
 # ---------------------------------------------------------------------------------------------- public
@@ -233,7 +277,8 @@ def grouped_gemm_fp8_block_contiguous(
     Args:
         a: `[R, K]` float8_e4m3fn, ``K`` a multiple of 128 (e.g. from :func:`permute_fp8_per_token_group`).
         a_scale: `[R, K / 128]` float32.
-        w: `[E, N, K]` float8_e4m3fn.
+        w: `[E, N, K]` float8_e4m3fn, or the same packed by :func:`pack_fp8_block_weights` (``gated=True``
+            exactly when there is an activation): on Hopper it streams faster; elsewhere it is unpacked per call.
         w_scale: `[E, ceil(N / 128), K / 128]` float32 (a checkpoint's ``weight_scale_inv``).
         layout: the contiguous :class:`ExpertLayout` ``a`` is in.
         {act}
@@ -267,7 +312,7 @@ def grouped_gemm_fp8_block_masked(
     Args:
         a: `[E, C, K]` float8_e4m3fn.
         a_scale: `[E, C, K / 128]` float32.
-        w: `[E, N, K]` float8_e4m3fn.
+        w: `[E, N, K]` float8_e4m3fn, or packed (:func:`pack_fp8_block_weights`), as in the contiguous form.
         w_scale: `[E, ceil(N / 128), K / 128]` float32.
         tokens_per_expert: `[E]` int32 on the device (or the masked :class:`ExpertLayout`).
         {act}

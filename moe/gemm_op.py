@@ -27,14 +27,38 @@ NO_CAPACITY = 2**31 - 1
 LIB.define(
     "grouped_gemm_(Tensor a, Tensor w, Tensor counts, Tensor? offsets, Tensor? a_scale, Tensor? w_scale, "
     "Tensor(a!) out, Tensor(b!)? out_scale, int a_mode, int w_mode, int act, float alpha, float limit, "
-    "int capacity, bool fast_accum) -> ()"
+    "int capacity, bool fast_accum, int w_packed) -> ()"
 )
+# w_packed: 0 for w `[E, N, K]`; 1 for w packed (moe/packed.py), 2 packed with gate and up rows interleaved.
+W_PLAIN, W_PACKED, W_PACKED_GATED = 0, 1, 2
+
+
+def _unpacked(w: torch.Tensor, w_packed: int) -> torch.Tensor:
+    from .packed import PackedFp8BlockWeights
+
+    return w if w_packed == W_PLAIN else PackedFp8BlockWeights(w, w_packed == W_PACKED_GATED).unpack()
 
 
 def _gemm_cpu(
-    a, w, counts, offsets, a_scale, w_scale, out, out_scale, a_mode, w_mode, act, alpha, limit, capacity, fast_accum
+    a,
+    w,
+    counts,
+    offsets,
+    a_scale,
+    w_scale,
+    out,
+    out_scale,
+    a_mode,
+    w_mode,
+    act,
+    alpha,
+    limit,
+    capacity,
+    fast_accum,
+    w_packed,
 ):
     kind = ACT_NAMES[act]
+    w = _unpacked(w, w_packed)
     counts = counts.clamp(max=capacity)
     if offsets is None:
         offsets = torch.arange(counts.shape[0], dtype=torch.int32) * capacity
@@ -60,9 +84,53 @@ def _gemm_cpu(
 
 
 def _gemm_cuda(
-    a, w, counts, offsets, a_scale, w_scale, out, out_scale, a_mode, w_mode, act, alpha, limit, capacity, fast_accum
+    a,
+    w,
+    counts,
+    offsets,
+    a_scale,
+    w_scale,
+    out,
+    out_scale,
+    a_mode,
+    w_mode,
+    act,
+    alpha,
+    limit,
+    capacity,
+    fast_accum,
+    w_packed,
 ):
     from . import gemm_kernel
+
+    if w_packed != W_PLAIN:
+        from . import gemm_sm90
+
+        num_experts, nw, k = w.shape[0], w.shape[1] * gemm_sm90.PACKED_ROWS, w.shape[2] * BLOCK
+        cap = None if offsets is not None else capacity
+        plain_out = not act and out_scale is None
+        ours = num_experts <= gemm_sm90.WGMMA_MAX_EXPERTS and (plain_out or gemm_sm90.gated_output_ok(out, out_scale))
+        if ours and gemm_sm90.usable(a, w, out if plain_out else None, a_scale, w_scale, nw, k):
+            with on_device(a):
+                gemm_sm90.launch(
+                    a,
+                    a_scale,
+                    w,
+                    w_scale,
+                    out,
+                    counts,
+                    offsets,
+                    cap,
+                    activation=ACT_NAMES[act],
+                    alpha=alpha,
+                    limit=limit,
+                    out_scale=out_scale,
+                    packed=True,
+                )
+            return
+        # Elsewhere (no sm_90, more experts than our kernel takes, an output it cannot write) the packing only
+        # costs: undo it into a temporary [E, N, K] and go on as for plain weights.
+        w = _unpacked(w, w_packed)
 
     num_experts, nw, k = w.shape
     n = nw // 2 if act else nw
@@ -135,7 +203,23 @@ LIB.impl("grouped_gemm_", _gemm_cuda, "CUDA")
 torch.library.register_fake("flashinfer_moe::grouped_gemm_", lambda *args: None, lib=LIB)
 
 
-def run(a, w, counts, offsets, capacity, a_scale, w_scale, outs, a_mode, w_mode, act, alpha, limit, fast_accum=False):
+def run(
+    a,
+    w,
+    counts,
+    offsets,
+    capacity,
+    a_scale,
+    w_scale,
+    outs,
+    a_mode,
+    w_mode,
+    act,
+    alpha,
+    limit,
+    fast_accum=False,
+    w_packed=0,
+):
     out = outs[0]
     out_scale = outs[1] if len(outs) == 2 else None
     if a.numel() and out.numel():
@@ -155,5 +239,6 @@ def run(a, w, counts, offsets, capacity, a_scale, w_scale, outs, a_mode, w_mode,
             limit,
             capacity,
             bool(fast_accum),
+            w_packed,
         )
     return outs if out_scale is not None else out

@@ -23,6 +23,7 @@ from flashinfer_moe.errors import JitError
 from flashinfer_moe.jit import KernelSpec, register
 
 from .gemm_op import ACT_CODES
+from .packed import ROWS as PACKED_ROWS
 
 logger = logging.getLogger("flashinfer_moe")
 
@@ -60,6 +61,9 @@ WGMMA_CONFIGS = {"wg128": "m128n128", "wg64": "m64n256", "wg128w": "m128n256", "
 CONFIGS = (*CUTLASS_CONFIGS, *WGMMA_CONFIGS)
 # Ours with GEMM1's activation in the epilogue: the 256-column tiles (one 128-column output group per tile).
 GATED_CONFIGS = ("wg64", "wg128w", "wg128q")
+# Ours that read packed weights (moe/packed.py): the same 256-column tiles, one packed piece of PACKED_ROWS rows
+# per stage.
+PACKED_CONFIGS = GATED_CONFIGS
 _OUT_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float8_e4m3fn: 2}
 
 _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -75,7 +79,7 @@ for _name in CUTLASS_CONFIGS:
 _WGMMA_SIGNATURES = {
     f"fim_sm90_fp8_block_wgmma_{_suffix}": (
         [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _int, _int, _int, _int, _int, _int, _int, _int, _float, _float, _vp]
-        + [_int, _int, _vp],
+        + [_int, _int, _int, _vp],
         _int,
     )
     for _suffix in WGMMA_CONFIGS.values()
@@ -152,6 +156,13 @@ def pick_gated(rows: int, num_experts: int, capacity: int | None, n: int, k: int
         return None
     chosen = _buildable(pick(rows, num_experts, capacity, n, k), num_experts)
     return chosen if chosen[0] in GATED_CONFIGS else None
+
+
+def pick_packed(rows: int, num_experts: int, capacity: int | None, n: int, k: int) -> tuple[str, int, str]:
+    """``pick``'s choice for packed weights: one of ``PACKED_CONFIGS``, ``wg128w`` where ``pick`` chose another
+    (with or without an activation: packed GEMM1 weights have no split path)."""
+    chosen = pick(rows, num_experts, capacity, n, k)
+    return chosen if chosen[0] in PACKED_CONFIGS else ("wg128w", *DEFAULT_ORDERS["wg128w"])
 
 
 def _buildable(chosen: tuple[str, int, str], num_experts: int) -> tuple[str, int, str]:
@@ -234,6 +245,7 @@ def launch(
     alpha: float = 1.702,
     limit: float = 7.0,
     out_scale=None,
+    packed: bool = False,
 ) -> None:
     """``out[rows of e] = (a * a_scale)[rows of e] @ (w[e] * w_scale[e])^T`` in one grouped kernel, or with an
     activation ``out[rows of e] = act(gate, up)`` of that product's two halves (GEMM1, our kernels only).
@@ -241,7 +253,8 @@ def launch(
     Args:
         a: `[R, K]` e4m3 (contiguous layout) or `[E * C, K]` (masked, flattened).
         a_scale: `[R, K / 128]` float32.
-        w: `[E, N, K]` e4m3.
+        w: `[E, N, K]` e4m3, or with ``packed`` the `[E, N / 256, K / 128, 256, 128]` data of
+            ``moe/packed.py`` (gate and up rows interleaved there when packed for an activation).
         w_scale: `[E, N / 128, K / 128]` float32.
         out: `[R, N]` bf16; with an activation `[R, N / 2]` bf16, float32, or e4m3 with ``out_scale``; rows of
             no expert are left as they are.
@@ -254,12 +267,19 @@ def launch(
         activation: None, ``"silu"`` (``silu(gate) * up``; gate rows ``[0, N / 2)`` of ``w``) or
             ``"clamped_silu"`` (gpt-oss, with ``alpha`` and ``limit``); N a multiple of 256.
         out_scale: `[R, N / 256]` float32 for an e4m3 ``out`` (one scale per row and 128 columns), else None.
+        packed: ``w`` is packed; only our 256-column tiles read that (a pick of another runs ``wg128w``).
     """
-    num_experts, n, k = w.shape
+    if packed:
+        num_experts, tiles, blocks = w.shape[:3]
+        n, k = tiles * PACKED_ROWS, blocks * 128
+    else:
+        num_experts, n, k = w.shape
     if activation not in ACT_CODES:
         raise ValueError(f"activation must be one of {list(ACT_CODES)}, got {activation!r}")
     gated = activation is not None
-    if config is None and gated:
+    if config is None and packed:
+        config, swizzle, raster = pick_packed(a.shape[0], num_experts, capacity, n, k)
+    elif config is None and gated:
         chosen = pick_gated(a.shape[0], num_experts, capacity, n, k)
         if chosen is None:
             raise ValueError(
@@ -271,6 +291,8 @@ def launch(
         config, swizzle, raster = _buildable(pick(a.shape[0], num_experts, capacity, n, k), num_experts)
     if config not in CONFIGS:
         raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
+    if packed and (config not in PACKED_CONFIGS or n % PACKED_ROWS):
+        raise ValueError(f"packed weights need one of {PACKED_CONFIGS} and N a multiple of 256, got {config!r}, N={n}")
     if gated and (config not in GATED_CONFIGS or n % 256):
         raise ValueError(
             f"an activation needs one of {GATED_CONFIGS} and N a multiple of 256, got config={config!r}, N={n}"
@@ -303,7 +325,7 @@ def launch(
         lib = _wgmma_lib()
         fn = getattr(lib, f"fim_sm90_fp8_block_wgmma_{WGMMA_CONFIGS[config]}")
         act = (ACT_CODES[activation], float(alpha), float(limit), None if out_scale is None else out_scale.data_ptr())
-        status = fn(*operands, a.shape[0], n, k, *order, *act, out_kind, sms, stream_of(a))
+        status = fn(*operands, a.shape[0], n, k, *order, *act, out_kind, int(packed), sms, stream_of(a))
         check_launch(lib, status, f"grouped GEMM (wgmma {config}, E={num_experts}, N={n}, K={k})")
         return
     lib = _lib()

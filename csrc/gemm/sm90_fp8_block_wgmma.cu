@@ -2,7 +2,7 @@
 //
 //   out[rows of e] = (A[rows of e] * sa) @ (W[e] * sw)^T
 //   A  [R, K] e4m3, row-major; sa [R, K / 128] fp32 (K-major)
-//   W  [E, N, K] e4m3 (K-major); sw [E, N / 128, K / 128] fp32 (K-major)
+//   W  [E, N, K] e4m3 (K-major), or packed for the 256-column tiles (w_packed); sw [E, N / 128, K / 128] fp32
 //   out [R, N] bf16; rows that belong to no expert are never written
 //
 // or, for GEMM1 (W's rows [0, N / 2) the gate projection, [N / 2, N) the up projection), with the activation in
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // cannot be a TMA box: one column of them is one float per row).
     if (lane == 0) {
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tma_a)) : "memory");
-      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tma_w)) : "memory");
+      if (!p.w_packed) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tma_w)) : "memory");
     }
     const int n_blocks = p.n / kBlockK;
     Ring r;
@@ -250,13 +250,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       const int sw_block = gated ? (lane == 0 ? ni : n_blocks / 2 + ni) : min(ni * BN / kBlockK + lane, n_blocks - 1);
       const float* sw_src = p.sw + (int64_t(e) * n_blocks + sw_block) * kblocks;
+      // Packed W: the tile's first 32 KB piece. A piece that only this CTA reads (its expert has one m tile, as
+      // in decode) comes by one bulk copy, which streamed 4-6% faster there; one that several m tiles read
+      // (the second time from L2) by the tensor TMA over the packed bytes, as the bulk copy was ~11% slower then
+      // (docs/perf.md).
+      const int piece0 = (e * (p.n / BN) + ni) * kblocks;
+      const bool bulk = tile_start[e + 1] - tile_start[e] == 1;
       for (int kb = 0; kb < kblocks; ++kb) {
         bar_wait(&empty[r.stage], r.phase ^ 1);
         if (lane == 0) {
           uint8_t* dst = ring + r.stage * S::kStageBytes;
           bar_expect_tx(&full[r.stage], S::kStageBytes);
           tma_load(dst, &tma_a, &full[r.stage], kb * kBlockK, a_row);
-          if constexpr (gated) {
+          if (BN == 256 && p.w_packed) {
+            // The stage's W rows are 32 KB in a row, already in the swizzled order the shared memory needs (and,
+            // with an activation, interleaved gate / up as below), so both copies move the bytes as they are.
+            if (bulk) {
+              bulk_load(dst + S::kABytes, p.w_packed + int64_t(piece0 + kb) * S::kBBytes, S::kBBytes, &full[r.stage]);
+            } else {
+              tma_load(dst + S::kABytes, &tma_w, &full[r.stage], 0, (piece0 + kb) * BN);
+            }
+          } else if constexpr (gated) {
             // One box for all four 64-row pieces: one instruction with a 256-row box streamed ~11% faster than
             // four of 64 rows (docs/perf.md).
             tma_load_4d(dst + S::kABytes, &tma_w, &full[r.stage], kb * kBlockK, w_row / 64);
@@ -411,14 +425,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   float fin[64], acc0[64], acc1[64];
-  // Promotes the block held in stage `st` (its wgmma group complete) and hands the stage back.
+  // Promotes the block held in stage `st` (its wgmma group complete) and hands the stage back. The stage goes back
+  // before the promotion, once its scales are in registers: the next load starts that much sooner, which
+  // streamed decode-sized groups up to 4-7% faster (docs/perf.md). (The 128-row tiles, bound by the tensor
+  // cores' clock under the board's power limit, measured slower with it and keep their late release.)
   auto finish = [&](float (&d)[64], int st) {
     const uint32_t sc = sc_base + st * S::kScaleFloats * 4;
     const float w = lds(sc + 4 * (BM + (gated ? 0 : wn / kBlockK)));
     const float w2 = lds(sc + 4 * (BM + (gated ? 1 : wn / kBlockK)));
     const float top = lds(sc + 4 * row_in), low = lds(sc + 4 * (row_in + 8));
-    promote(fin, d, top * w, low * w, top * w2, low * w2);
+    __syncwarp();  // every lane's scales read before lane 0 releases the stage for the warp
     if (lane == 0) bar_arrive(&empty[st]);
+    promote(fin, d, top * w, low * w, top * w2, low * w2);
   };
   int parity = 0;  // which set of row_max this tile uses
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
@@ -498,7 +516,8 @@ EncodeTiled encode_fn() {
 // A row-major 2-D tensor [outer, inner] of `elem_bytes`-byte elements, moved in boxes of [box_outer, box_inner]
 // with the 128-byte swizzle; rows past `outer` read as zeros and are not written.
 bool encode(CUtensorMap* map, const void* base, CUtensorMapDataType type, uint32_t elem_bytes, uint64_t inner,
-            uint64_t outer, uint32_t box_inner, uint32_t box_outer, CUtensorMapL2promotion promotion) {
+            uint64_t outer, uint32_t box_inner, uint32_t box_outer, CUtensorMapL2promotion promotion,
+            CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   EncodeTiled fn = encode_fn();
   if (!fn) return false;
   const cuuint64_t dims[2] = {inner, outer};
@@ -506,7 +525,7 @@ bool encode(CUtensorMap* map, const void* base, CUtensorMapDataType type, uint32
   const cuuint32_t box[2] = {box_inner, box_outer};
   const cuuint32_t elem_strides[2] = {1, 1};
   return fn(map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+            swizzle, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // An e4m3 operand [outer, K], read a 128-deep K block of `box_outer` rows at a time.
@@ -544,7 +563,7 @@ int start(const CUtensorMap& map_a, const CUtensorMap& map_w, const CUtensorMap&
 template <int BM, int BN, int STAGES, int SUB, bool ASYNC>
 int run(const void* a, const float* a_scale, const void* w, const float* w_scale, void* out, const int32_t* counts,
         const int32_t* offsets, int capacity, int num_groups, int rows, int n, int k, int swizzle, int raster, int act,
-        float alpha, float limit, float* out_scale, int out_kind, int sm_count, cudaStream_t stream) {
+        float alpha, float limit, float* out_scale, int out_kind, int w_packed, int sm_count, cudaStream_t stream) {
   using S = Shape<BM, BN, STAGES>;
   if (num_groups < 1 || num_groups > kMaxExperts || rows < 0 || n < kBlockK || k < kBlockK || n % kBlockK ||
       k % kBlockK || sm_count < 1 || !sm90::valid_order(swizzle, raster) || (!offsets && capacity < 0)) {
@@ -555,10 +574,13 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
   const bool gated = act != kActNone;
   if (act < kActNone || act > kActClampedSilu || out_kind < kOutBf16 || out_kind > kOutE4m3 ||
       (gated && (BN != 256 || n % 256)) || (!gated && out_kind != kOutBf16) ||
-      ((out_kind == kOutE4m3) != (out_scale != nullptr))) {
+      ((out_kind == kOutE4m3) != (out_scale != nullptr)) || (w_packed && (BN != 256 || n % 256))) {
     return cudaErrorInvalidValue;
   }
-  if (int64_t(num_groups) * n >= (int64_t(1) << 31) || int64_t(num_groups) * capacity >= (int64_t(1) << 31)) {
+  // Packed W seen by the tensor TMA: rows of 128 bytes, already swizzled (so no swizzle here).
+  const uint64_t packed_rows = uint64_t(num_groups) * n * (k / kBlockK);
+  if (int64_t(num_groups) * n >= (int64_t(1) << 31) || int64_t(num_groups) * capacity >= (int64_t(1) << 31) ||
+      (w_packed && packed_rows >= (uint64_t(1) << 31))) {
     return cudaErrorInvalidValue;  // TMA coordinates and first rows are 32-bit
   }
   if (rows == 0) return cudaSuccess;
@@ -569,15 +591,31 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
   const bool out_map = ASYNC && out_kind != kOutF32;
   const bool fp8_out = out_kind == kOutE4m3;
   if (!encode_operand(&map_a, a, k, rows, BM) ||
-      !(gated ? encode_gated_weights(&map_w, w, k, n, num_groups)
-              : encode_operand(&map_w, w, k, uint64_t(num_groups) * n, BN)) ||
+      !(w_packed ? encode(&map_w, w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, kBlockK, packed_rows, kBlockK, BN,
+                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_SWIZZLE_NONE)
+        : gated  ? encode_gated_weights(&map_w, w, k, n, num_groups)
+                 : encode_operand(&map_w, w, k, uint64_t(num_groups) * n, BN)) ||
       (out_map && !encode(&map_out, out, fp8_out ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                           fp8_out ? 1 : 2, out_cols, rows, fp8_out ? 128 : 64, 16, CU_TENSOR_MAP_L2_PROMOTION_NONE))) {
     return cudaErrorInvalidValue;
   }
-  Params p{a_scale,  w_scale,    out,   out_scale, counts,  offsets,
-           capacity, num_groups, n,     k,         swizzle, raster == 0 ? 1 : raster,
-           act,      out_kind,   alpha, limit};
+  Params p{a_scale,
+           w_scale,
+           out,
+           out_scale,
+           counts,
+           offsets,
+           capacity,
+           num_groups,
+           n,
+           k,
+           swizzle,
+           raster == 0 ? 1 : raster,
+           act,
+           out_kind,
+           alpha,
+           limit,
+           w_packed ? static_cast<const uint8_t*>(w) : nullptr};
   if constexpr (BN == 256) {
     if (gated) return start<BM, BN, STAGES, SUB, ASYNC, true>(map_a, map_w, map_out, p, sm_count, stream);
   }
@@ -591,10 +629,10 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
   extern "C" int fim_sm90_fp8_block_wgmma_##NAME(                                                                     \
       const void* a, const float* a_scale, const void* w, const float* w_scale, void* out, const int32_t* counts,     \
       const int32_t* offsets, int capacity, int num_groups, int rows, int n, int k, int swizzle, int raster, int act, \
-      float alpha, float limit, float* out_scale, int out_kind, int sm_count, void* stream) {                         \
+      float alpha, float limit, float* out_scale, int out_kind, int w_packed, int sm_count, void* stream) {           \
     return fim::sm90_wgmma::run<BM, BN, STAGES, SUB, ASYNC>(                                                          \
         a, a_scale, w, w_scale, out, counts, offsets, capacity, num_groups, rows, n, k, swizzle, raster, act, alpha,  \
-        limit, out_scale, out_kind, sm_count, static_cast<cudaStream_t>(stream));                                     \
+        limit, out_scale, out_kind, w_packed, sm_count, static_cast<cudaStream_t>(stream));                           \
   }
 
 // The asynchronous epilogue only where it measured faster (docs/perf.md): 128 x 256 in halves.

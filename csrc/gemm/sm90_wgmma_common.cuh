@@ -35,6 +35,9 @@ struct Params {
   int swizzle, raster;
   int act, out_kind;
   float alpha, limit;  // the clamped activation's
+  // W packed ahead of time ([E, N / 256, K / 128] blocks of 32 KB, each the shared-memory image of one stage's
+  // W rows: pack_fp8_block_weights), read with one bulk copy per stage; null: W through its tensor map.
+  const uint8_t* w_packed;
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -89,6 +92,15 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, 0, 0, %4}], "
       "[%2];" ::"r"(smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c3)
+      : "memory");
+}
+
+// `bytes` (a multiple of 16) from `src` into shared memory, completing on `bar` (no tensor map, no swizzle: the
+// source is already laid out as the destination wants it).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
 }
 
