@@ -278,7 +278,8 @@ def grouped_gemm_fp8_block_contiguous(
         a: `[R, K]` float8_e4m3fn, ``K`` a multiple of 128 (e.g. from :func:`permute_fp8_per_token_group`).
         a_scale: `[R, K / 128]` float32.
         w: `[E, N, K]` float8_e4m3fn, or the same packed by :func:`pack_fp8_block_weights` (``gated=True``
-            exactly when there is an activation): on Hopper it streams faster; elsewhere it is unpacked per call.
+            exactly when there is an activation): on Hopper it streams faster at decode sizes (not at prefill
+            sizes); elsewhere it is unpacked per call.
         w_scale: `[E, ceil(N / 128), K / 128]` float32 (a checkpoint's ``weight_scale_inv``).
         layout: the contiguous :class:`ExpertLayout` ``a`` is in.
         {act}

@@ -4,8 +4,10 @@ Decode-sized GEMMs are bound by how fast the weights stream in. Our wgmma kernel
 of W (256 weight rows, one 128-deep K block: 32 KB) per pipeline stage; from the plain `[E, N, K]` layout that
 piece is 256 strided rows and takes the tensor TMA. Packed, the piece is 32 KB in a row, already in the
 128-byte-swizzled order the stage's shared memory needs, and one bulk copy moves it: on an H200 that streamed
-3-4% more weight bytes per second at 16-128 rows per expert (docs/perf.md). Packing is a one-time permutation of
-the bytes at load time; the scales are not touched.
+4-6% more weight bytes per second at 16 and 64 rows per expert, none at 128 (docs/perf.md). Where several row
+tiles read each piece (prefill) the kernel reads it through the tensor TMA instead, and packed weights measured
+1-8% slower than plain ones there: pack for decode. Packing is a one-time permutation of the bytes at load time;
+the scales are not touched.
 
 Layout of ``PackedFp8BlockWeights.data``: `[E, N / 256, K / 128, 256, 128]` float8_e4m3fn. Piece ``(e, t, kb)``
 holds weight rows ``256 t + r`` (``r`` < 256) and columns ``128 kb + [0, 128)``, with the 16-byte chunk ``c`` of
