@@ -29,7 +29,7 @@ $PY -m flashinfer_moe build 2>&1 | tee "$LOG/build.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$LOG/env.txt"
 if has tests; then
   echo "=== pytest gemm/layer GPU tests ($(date -u +%T))"
-  $PY -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gemm_gpu.py ${EXTRA_TESTS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -40 | tee "$LOG/pytest_gemm_gpu.log"
+  $PY -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gemm_gpu.py tests/test_packed_gpu.py ${EXTRA_TESTS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -40 | tee "$LOG/pytest_gemm_gpu.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has tune; then
