@@ -5,9 +5,8 @@ of W (256 weight rows, one 128-deep K block: 32 KB) per pipeline stage; from the
 piece is 256 strided rows and takes the tensor TMA. Packed, the piece is 32 KB in a row, already in the
 128-byte-swizzled order the stage's shared memory needs, and one bulk copy moves it: on an H200 that streamed
 4-6% more weight bytes per second at 16 and 64 rows per expert, none at 128 (docs/perf.md). Where several row
-tiles read each piece (prefill) the kernel reads it through the tensor TMA instead, and packed weights measured
-1-8% slower than plain ones there: pack for decode. Packing is a one-time permutation of the bytes at load time;
-the scales are not touched.
+tiles read each piece (prefill, T = 4096) packed weights measured 2-4% slower than plain ones: pack for decode.
+Packing is a one-time permutation of the bytes at load time; the scales are not touched.
 
 Layout of ``PackedFp8BlockWeights.data``: `[E, N / 256, K / 128, 256, 128]` float8_e4m3fn. Piece ``(e, t, kb)``
 holds weight rows ``256 t + r`` (``r`` < 256) and columns ``128 kb + [0, 128)``, with the 16-byte chunk ``c`` of

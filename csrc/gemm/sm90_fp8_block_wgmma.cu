@@ -250,26 +250,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       const int sw_block = gated ? (lane == 0 ? ni : n_blocks / 2 + ni) : min(ni * BN / kBlockK + lane, n_blocks - 1);
       const float* sw_src = p.sw + (int64_t(e) * n_blocks + sw_block) * kblocks;
-      // Packed W: the tile's first 32 KB piece. A piece that only this CTA reads (its expert has one m tile, as
-      // in decode) comes by one bulk copy, which streamed 4-6% faster there; one that several m tiles read
-      // (the second time from L2) by the tensor TMA over the packed bytes, as the bulk copy was ~11% slower then
-      // (docs/perf.md).
-      const int piece0 = (e * (p.n / BN) + ni) * kblocks;
-      const bool bulk = tile_start[e + 1] - tile_start[e] == 1;
+      // Packed W: the tile's first 32 KB piece (null without packed weights).
+      const uint8_t* w_src = p.w_packed ? p.w_packed + int64_t((e * (p.n / BN) + ni) * kblocks) * S::kBBytes : nullptr;
       for (int kb = 0; kb < kblocks; ++kb) {
         bar_wait(&empty[r.stage], r.phase ^ 1);
         if (lane == 0) {
           uint8_t* dst = ring + r.stage * S::kStageBytes;
           bar_expect_tx(&full[r.stage], S::kStageBytes);
           tma_load(dst, &tma_a, &full[r.stage], kb * kBlockK, a_row);
-          if (BN == 256 && p.w_packed) {
+          if (BN == 256 && w_src) {
             // The stage's W rows are 32 KB in a row, already in the swizzled order the shared memory needs (and,
-            // with an activation, interleaved gate / up as below), so both copies move the bytes as they are.
-            if (bulk) {
-              bulk_load(dst + S::kABytes, p.w_packed + int64_t(piece0 + kb) * S::kBBytes, S::kBBytes, &full[r.stage]);
-            } else {
-              tma_load(dst + S::kABytes, &tma_w, &full[r.stage], 0, (piece0 + kb) * BN);
-            }
+            // with an activation, interleaved gate / up as below): one bulk copy moves them as they are. It
+            // streamed 4-6% faster than the tensor TMA from the plain layout at decode sizes, and beat the
+            // tensor TMA over the packed bytes at prefill sizes (docs/perf.md).
+            bulk_load(dst + S::kABytes, w_src + int64_t(kb) * S::kBBytes, S::kBBytes, &full[r.stage]);
           } else if constexpr (gated) {
             // One box for all four 64-row pieces: one instruction with a 256-row box streamed ~11% faster than
             // four of 64 rows (docs/perf.md).
@@ -516,8 +510,7 @@ EncodeTiled encode_fn() {
 // A row-major 2-D tensor [outer, inner] of `elem_bytes`-byte elements, moved in boxes of [box_outer, box_inner]
 // with the 128-byte swizzle; rows past `outer` read as zeros and are not written.
 bool encode(CUtensorMap* map, const void* base, CUtensorMapDataType type, uint32_t elem_bytes, uint64_t inner,
-            uint64_t outer, uint32_t box_inner, uint32_t box_outer, CUtensorMapL2promotion promotion,
-            CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
+            uint64_t outer, uint32_t box_inner, uint32_t box_outer, CUtensorMapL2promotion promotion) {
   EncodeTiled fn = encode_fn();
   if (!fn) return false;
   const cuuint64_t dims[2] = {inner, outer};
@@ -525,7 +518,7 @@ bool encode(CUtensorMap* map, const void* base, CUtensorMapDataType type, uint32
   const cuuint32_t box[2] = {box_inner, box_outer};
   const cuuint32_t elem_strides[2] = {1, 1};
   return fn(map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-            swizzle, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+            CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // An e4m3 operand [outer, K], read a 128-deep K block of `box_outer` rows at a time.
@@ -577,10 +570,10 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
       ((out_kind == kOutE4m3) != (out_scale != nullptr)) || (w_packed && (BN != 256 || n % 256))) {
     return cudaErrorInvalidValue;
   }
-  // Packed W seen by the tensor TMA: rows of 128 bytes, already swizzled (so no swizzle here).
-  const uint64_t packed_rows = uint64_t(num_groups) * n * (k / kBlockK);
+  // Packed W: its 32 KB pieces are numbered in 32 bits.
+  const int64_t packed_pieces = int64_t(num_groups) * (n / 256) * (k / kBlockK);
   if (int64_t(num_groups) * n >= (int64_t(1) << 31) || int64_t(num_groups) * capacity >= (int64_t(1) << 31) ||
-      (w_packed && packed_rows >= (uint64_t(1) << 31))) {
+      (w_packed && packed_pieces >= (int64_t(1) << 31))) {
     return cudaErrorInvalidValue;  // TMA coordinates and first rows are 32-bit
   }
   if (rows == 0) return cudaSuccess;
@@ -591,10 +584,8 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
   const bool out_map = ASYNC && out_kind != kOutF32;
   const bool fp8_out = out_kind == kOutE4m3;
   if (!encode_operand(&map_a, a, k, rows, BM) ||
-      !(w_packed ? encode(&map_w, w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, kBlockK, packed_rows, kBlockK, BN,
-                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_SWIZZLE_NONE)
-        : gated  ? encode_gated_weights(&map_w, w, k, n, num_groups)
-                 : encode_operand(&map_w, w, k, uint64_t(num_groups) * n, BN)) ||
+      !(w_packed || (gated ? encode_gated_weights(&map_w, w, k, n, num_groups)
+                           : encode_operand(&map_w, w, k, uint64_t(num_groups) * n, BN))) ||
       (out_map && !encode(&map_out, out, fp8_out ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                           fp8_out ? 1 : 2, out_cols, rows, fp8_out ? 128 : 64, 16, CU_TENSOR_MAP_L2_PROMOTION_NONE))) {
     return cudaErrorInvalidValue;
