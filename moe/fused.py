@@ -24,8 +24,10 @@ __all__ = ["fused_moe"]
 QUANTS = (None, "fp8_block", "fp8_tensor")
 
 
-def _weight(name: str, w: object, doc: str, quant: str | None, gated: bool):
-    """``(shape, dtype)`` of a weight given plain or packed (:func:`pack_fp8_block_weights`)."""
+def _weight(name: str, w: object, doc: str, quant: str | None, gated: bool) -> tuple[tuple[int, ...], torch.dtype]:
+    """``(shape, dtype)`` of a weight given plain or packed (:func:`pack_fp8_block_weights`), checked for
+    ``quant``'s dtypes."""
+    wanted = (torch.bfloat16, torch.float16) if quant is None else (FP8,)
     if isinstance(w, PackedFp8BlockWeights):
         if quant != "fp8_block":
             raise ValueError(
@@ -33,9 +35,11 @@ def _weight(name: str, w: object, doc: str, quant: str | None, gated: bool):
             )
         if w.gated != gated:
             raise ValueError(f"{name} must be packed with gated={gated} ({doc}), got gated={w.gated}")
+        _checks.dtype_in(name, w.data, wanted)
         return w.shape, w.dtype
     w = _checks.tensor(name, w)
     _checks.ndim(name, w, 3, doc)
+    _checks.dtype_in(name, w, wanted)
     return tuple(w.shape), w.dtype
 
 
@@ -49,11 +53,6 @@ def _check_weights(quant, hidden, w13, w2, w13_scale, w2_scale) -> tuple[int, in
         raise ValueError(f"w13 must have 2I rows (gate then up), an even number, got {w13_shape}")
     if w2_shape != (num_experts, h, two_i // 2):
         raise ValueError(f"w2 must have shape {(num_experts, h, two_i // 2)} ([E, H, I]), got {w2_shape}")
-    wanted = (torch.bfloat16, torch.float16) if quant is None else (FP8,)
-    for name, dtype in (("w13", w13_dtype), ("w2", w2_dtype)):
-        if dtype not in wanted:
-            names = ", ".join(str(d).replace("torch.", "") for d in wanted)
-            raise TypeError(f"{name} must have dtype in ({names}), got {str(dtype).replace('torch.', '')}")
     if w2_dtype != w13_dtype:
         raise TypeError(f"w2 must have the dtype of w13 ({w13_dtype}), got {w2_dtype}")
     for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):

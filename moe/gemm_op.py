@@ -14,6 +14,7 @@ from flashinfer_moe import reference_quant as ref_quant
 from flashinfer_moe._ops import LIB, on_device
 
 from . import gemm_config
+from .packed import PackedFp8BlockWeights
 
 # Codes shared with moe/gemm_kernel.py (kept here so that the CPU path never imports Triton); the activation
 # codes also with the Hopper wgmma kernel (csrc/gemm/sm90_wgmma_common.cuh, through moe/gemm_sm90.py).
@@ -33,10 +34,8 @@ LIB.define(
 W_PLAIN, W_PACKED, W_PACKED_GATED = 0, 1, 2
 
 
-def _unpacked(w: torch.Tensor, w_packed: int) -> torch.Tensor:
-    from .packed import PackedFp8BlockWeights
-
-    return w if w_packed == W_PLAIN else PackedFp8BlockWeights(w, w_packed == W_PACKED_GATED).unpack()
+def _packed(w: torch.Tensor, w_packed: int) -> PackedFp8BlockWeights:
+    return PackedFp8BlockWeights(w, w_packed == W_PACKED_GATED)
 
 
 def _gemm_cpu(
@@ -58,7 +57,7 @@ def _gemm_cpu(
     w_packed,
 ):
     kind = ACT_NAMES[act]
-    w = _unpacked(w, w_packed)
+    w = w if w_packed == W_PLAIN else _packed(w, w_packed).unpack()
     counts = counts.clamp(max=capacity)
     if offsets is None:
         offsets = torch.arange(counts.shape[0], dtype=torch.int32) * capacity
@@ -103,34 +102,44 @@ def _gemm_cuda(
 ):
     from . import gemm_kernel
 
+    cap = None if offsets is not None else capacity
+
+    def ours(w, chosen=(), packed=False):
+        """One kernel of ``gemm_sm90`` (``chosen``: its config and tile order; default ``pick``'s), with the
+        activation, if any, in its epilogue."""
+        from . import gemm_sm90
+
+        with on_device(a):
+            gemm_sm90.launch(
+                a,
+                a_scale,
+                w,
+                w_scale,
+                out,
+                counts,
+                offsets,
+                cap,
+                *chosen,
+                activation=ACT_NAMES[act],
+                alpha=alpha,
+                limit=limit,
+                out_scale=out_scale,
+                packed=packed,
+            )
+
     if w_packed != W_PLAIN:
         from . import gemm_sm90
 
-        num_experts, nw, k = w.shape[0], w.shape[1] * gemm_sm90.PACKED_ROWS, w.shape[2] * BLOCK
-        cap = None if offsets is not None else capacity
+        packed = _packed(w, w_packed)
+        num_experts, nw, k = packed.shape
         plain_out = not act and out_scale is None
-        ours = num_experts <= gemm_sm90.WGMMA_MAX_EXPERTS and (plain_out or gemm_sm90.gated_output_ok(out, out_scale))
-        if ours and gemm_sm90.usable(a, w, out if plain_out else None, a_scale, w_scale, nw, k):
-            with on_device(a):
-                gemm_sm90.launch(
-                    a,
-                    a_scale,
-                    w,
-                    w_scale,
-                    out,
-                    counts,
-                    offsets,
-                    cap,
-                    activation=ACT_NAMES[act],
-                    alpha=alpha,
-                    limit=limit,
-                    out_scale=out_scale,
-                    packed=True,
-                )
+        fits = num_experts <= gemm_sm90.WGMMA_MAX_EXPERTS and (plain_out or gemm_sm90.gated_output_ok(out, out_scale))
+        if fits and gemm_sm90.usable(a, w, out if plain_out else None, a_scale, w_scale, nw, k):
+            ours(w, packed=True)
             return
         # Elsewhere (no sm_90, more experts than our kernel takes, an output it cannot write) the packing only
         # costs: undo it into a temporary [E, N, K] and go on as for plain weights.
-        w = _unpacked(w, w_packed)
+        w = packed.unpack()
 
     num_experts, nw, k = w.shape
     n = nw // 2 if act else nw
@@ -138,10 +147,8 @@ def _gemm_cuda(
     if a_mode == A_GROUP and w_mode == W_BLOCK:
         from . import gemm_sm90
 
-        cap = None if offsets is not None else capacity
         if not act and out_scale is None and gemm_sm90.usable(a, w, out, a_scale, w_scale, n, k):
-            with on_device(a):
-                gemm_sm90.launch(a, a_scale, w, w_scale, out, counts, offsets, cap)
+            ours(w)
             return
         gated = act and n % 128 == 0 and gemm_sm90.usable(a, w, None, a_scale, w_scale, nw, k)
         chosen = (
@@ -149,22 +156,7 @@ def _gemm_cuda(
         )
         if chosen:
             # GEMM1 in one kernel: the activation (and FP8 groups) in the epilogue, no [R, 2I] intermediate.
-            with on_device(a):
-                gemm_sm90.launch(
-                    a,
-                    a_scale,
-                    w,
-                    w_scale,
-                    out,
-                    counts,
-                    offsets,
-                    cap,
-                    *chosen,
-                    activation=ACT_NAMES[act],
-                    alpha=alpha,
-                    limit=limit,
-                    out_scale=out_scale,
-                )
+            ours(w, chosen)
             return
         if gated and gemm_sm90.split_activation(rows, num_experts, cap):
             # GEMM1: the CUTLASS GEMM to bf16, then the activation (+ FP8) as its own pass; the extra bf16 round

@@ -291,8 +291,8 @@ def launch(
         config, swizzle, raster = _buildable(pick(a.shape[0], num_experts, capacity, n, k), num_experts)
     if config not in CONFIGS:
         raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
-    if packed and (config not in PACKED_CONFIGS or n % PACKED_ROWS):
-        raise ValueError(f"packed weights need one of {PACKED_CONFIGS} and N a multiple of 256, got {config!r}, N={n}")
+    if packed and config not in PACKED_CONFIGS:  # N is a multiple of 256 by construction
+        raise ValueError(f"packed weights need one of {PACKED_CONFIGS}, got config={config!r}")
     if gated and (config not in GATED_CONFIGS or n % 256):
         raise ValueError(
             f"an activation needs one of {GATED_CONFIGS} and N a multiple of 256, got config={config!r}, N={n}"
