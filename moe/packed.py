@@ -136,3 +136,32 @@ def pack_fp8_block_weights(w, *, gated: bool = False, chunk_experts: int = 16) -
             part = part.index_select(1, order)
         out[e0 : e0 + chunk_experts] = _swizzle(part.contiguous())
     return PackedFp8BlockWeights(out, gated)
+
+
+@torch.no_grad()
+def repack_in_place(w: torch.Tensor, *, gated: bool, pack: bool, chunk_experts: int = 16) -> torch.Tensor:
+    """Packs (``pack``) or unpacks contiguous expert weights over their own storage, ``chunk_experts`` experts
+    at a time. Each expert's packed bytes fill exactly the byte range of its plain ones, so the temporary memory
+    is one chunk's, not a second copy of the weights (a DeepSeek-V3 layer's ``w13`` is 7.5 GB).
+
+    Args:
+        w: `[E, N, K]` float8_e4m3fn to pack (checked as :func:`pack_fp8_block_weights` checks it), or
+            `[E, N / 256, K / 128, 256, 128]` to unpack; contiguous.
+        gated, chunk_experts: as :func:`pack_fp8_block_weights` takes them.
+        pack: the direction.
+
+    Returns:
+        A view of ``w``'s storage in the other layout; ``w``'s bytes are overwritten.
+    """
+    if not w.is_contiguous():
+        raise ValueError(f"w must be contiguous to be repacked in place, got strides {w.stride()}")
+    e = w.shape[0]
+    for e0 in range(0, max(e, 1), chunk_experts):  # E = 0 reaches pack_fp8_block_weights' check
+        dst = w[e0 : e0 + chunk_experts]
+        part = pack_fp8_block_weights(dst, gated=gated).data if pack else _unpack(dst, gated)
+        dst.view(torch.uint8).copy_(part.view(torch.uint8).reshape(dst.shape))
+    if pack:
+        _, n, k = w.shape
+        return w.view(e, n // ROWS, k // DEPTH, ROWS, DEPTH)
+    _, tiles, blocks, _, _ = w.shape
+    return w.view(e, tiles * ROWS, blocks * DEPTH)

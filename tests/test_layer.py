@@ -266,6 +266,67 @@ def test_state_dict_round_trip(quant, rng):
     assert "num_expert_group=4" in repr(fresh) and f"quant={quant!r}" in repr(fresh)
 
 
+# -------------------------------------------------------------------------------------------- packed weights
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTING))
+@pytest.mark.parametrize("shape", [(16, 4, 256, 128), (8, 3, 512, 384)])
+def test_packed_weights_give_the_same_output(shape, routing, rng):
+    seed, g = rng
+    num_experts, top_k, hidden, inter = shape
+    layer = make_layer(routing, num_experts, top_k, hidden, inter, "fp8_block", g)
+    layer.load_expert_weights(hf_experts(g, num_experts, hidden, inter))
+    x = torch.randn(7, hidden, generator=g).bfloat16()
+    plain_out = layer(x)
+    w13, w2 = layer.w13.detach().clone(), layer.w2.detach().clone()
+    ptr13 = layer.w13.data_ptr()
+    layer.pack_weights()
+    assert layer.weights_packed and "weights_packed=True" in repr(layer)
+    assert tuple(layer.w13.shape) == (num_experts, 2 * inter // 256, hidden // 128, 256, 128)
+    assert tuple(layer.w2.shape) == (num_experts, hidden // 256, inter // 128, 256, 128)
+    assert layer.w13.data_ptr() == ptr13, "packing must reuse the weights' memory"
+    assert isinstance(layer.w13, torch.nn.Parameter) and not layer.w13.requires_grad
+    packed13 = flashinfer_moe.pack_fp8_block_weights(w13, gated=True).data
+    assert torch.equal(bits(layer.w13), bits(packed13))
+    assert torch.equal(bits(layer.w2), bits(flashinfer_moe.pack_fp8_block_weights(w2).data))
+    assert torch.equal(bits(layer(x)), bits(plain_out)), f"seed {seed}"
+    layer.pack_weights()  # packed already: nothing changes
+    assert torch.equal(bits(layer.w13), bits(packed13))
+    layer.unpack_weights()
+    assert not layer.weights_packed
+    assert torch.equal(bits(layer.w13), bits(w13)) and torch.equal(bits(layer.w2), bits(w2))
+    layer.unpack_weights()
+    assert torch.equal(bits(layer.w13), bits(w13))
+
+
+def test_packed_layer_loads_and_round_trips_state(rng):
+    seed, g = rng
+    experts = fp8_block_checkpoint(hf_experts(g, 6, 256, 256))
+    loaded_then_packed = MoELayer(6, 2, 256, 256, quant="fp8_block")
+    loaded_then_packed.load_expert_weights(experts)
+    loaded_then_packed.pack_weights()
+    packed_then_loaded = MoELayer(6, 2, 256, 256, quant="fp8_block")
+    packed_then_loaded.pack_weights()
+    packed_then_loaded.load_expert_weights(experts)
+    state = loaded_then_packed.state_dict()
+    for name, t in packed_then_loaded.state_dict().items():
+        assert torch.equal(bits(t), bits(state[name])), f"seed {seed}: {name}"
+    fresh = MoELayer(6, 2, 256, 256, quant="fp8_block")
+    with pytest.raises(RuntimeError, match="w13"):
+        fresh.load_state_dict(state)  # a plain layer refuses the packed shapes
+    fresh.pack_weights()
+    fresh.load_state_dict(state)
+    x = torch.randn(5, 256, generator=g).bfloat16()
+    assert torch.equal(fresh(x), loaded_then_packed(x))
+
+
+def test_pack_weights_bad_layer_names_the_argument():
+    assert_error_names_argument(lambda: MoELayer(4, 2, 256, 128).pack_weights(), ValueError, "quant")
+    assert_error_names_argument(
+        lambda: MoELayer(4, 2, 384, 128, quant="fp8_block").pack_weights(), ValueError, "hidden_size"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 
@@ -331,13 +392,17 @@ GPU_SHAPE = (32, 4, 1024, 256)  # (E, k, H, I): DeepSeek-V3-like routing, K mult
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 16, 300])
-@pytest.mark.parametrize("quant", [None, "fp8_block", "fp8_tensor"])
+@pytest.mark.parametrize("quant", [None, "fp8_block", "fp8_tensor", "fp8_block packed"])
 def test_gpu_forward_matches_reference(quant, num_tokens, rng):
     seed, g = rng
+    quant, _, packed = quant.partition(" ") if quant else (None, "", "")
     num_experts, top_k, hidden, inter = GPU_SHAPE
     layer = make_layer("deepseek_v3", num_experts, top_k, hidden, inter, quant, g, device="cuda")
     experts = hf_experts(g, num_experts, hidden, inter)
     layer.load_expert_weights(experts)  # CPU tensors into a GPU layer: quantized on the GPU
+    ref_weights = layer_weights_ref(layer)
+    if packed:
+        layer.pack_weights()
     x = torch.randn(num_tokens, hidden, generator=g).bfloat16().cuda()
     logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).cuda()
     out = torch.full_like(x, float("nan"))
@@ -361,7 +426,7 @@ def test_gpu_forward_matches_reference(quant, num_tokens, rng):
     else:
         ref = reference.fused_moe(
             x.cpu(),
-            **layer_weights_ref(layer),
+            **ref_weights,
             topk_weights=weights,
             topk_ids=ids,
             quant=quant,
