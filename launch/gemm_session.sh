@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the grouped-GEMM work: install, GPU tests, the config sweep and the benchmark.
 #
-#   bash launch/gemm_session.sh LOGDIR [tests|tune|tune90|profile|ncu|bench|all ...]
+#   bash launch/gemm_session.sh LOGDIR [tests|tune|tune90|profile|ncu|bench|power|all ...]
 #
 # Optional environment: EXTRA_TESTS (more test files), PYTEST_K (a -k expression), TUNE_ARGS, TUNE90_ARGS, BENCH_ARGS,
 # WHEELS (a folder of wheels to install first, default .dev/wheels), PREBUILT (a kernel cache to start from).
@@ -58,6 +58,11 @@ fi
 if has bench; then
   echo "=== bench ($(date -u +%T))"
   $PY launch/bench_gemm.py ${BENCH_ARGS:-} --markdown "$LOG/bench_gemm.md" --json "$LOG/bench_gemm.json" --sass "$LOG/sass" 2>&1 | tee "$LOG/bench.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has power; then
+  echo "=== power and clocks ($(date -u +%T))"
+  $PY launch/power_gemm.py --json "$LOG/power_gemm.json" 2>&1 | tee "$LOG/power.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 echo "=== done ($(date -u +%T), status $status)"

@@ -1,0 +1,139 @@
+"""The board's power and SM clock while each decode GEMM runs, beside cuBLAS's dense FP8 GEMM in the same run.
+
+    python launch/power_gemm.py [--seconds 3] [--json FILE]
+
+An H200 running FP8 GEMMs sits at its power limit (700 W), and the clock it then allows sets how many
+FLOPs per second the tensor cores can deliver. This replays each case for ``--seconds`` (CUDA graphs, no
+gaps) while ``nvidia-smi`` samples power and SM clock every 100 ms, and prints per case the kernel time
+(median of CUDA-event timed bursts), TFLOP/s, weight bytes per second, the median power and SM clock over
+the window's middle, and the FLOPs per clock per SM they imply (the dense FP8 peak of an H100/H200 SXM SM
+is 8192: 1979 TFLOP/s at 1830 MHz on 132 SMs).
+
+Cases: ``grouped_gemm_fp8_block_masked`` on 32 experts x {16, 64, 128} rows at (N, K) = (4096, 7168), plain
+and packed weights (three weight sets, so that none stays in L2), then ``torch._scaled_mm`` rowwise on one
+8192^3 GEMM. Needs a GPU and ``nvidia-smi``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import flashinfer_moe as fm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemm import _fp8_rows, _fp8_weights  # noqa: E402
+
+PEAK_FLOP_PER_CLOCK = 8192  # dense FP8 per SM per clock, Hopper SXM
+
+
+def _soak(fn, calls: int, seconds: float) -> tuple[float, float, float]:
+    """``(us per call, start, end)`` of ``seconds`` of back-to-back graph replays of ``fn(0 .. calls - 1)``;
+    the window returned leaves out the first 30% (the clock settling) and the last 10%."""
+    for i in range(calls):
+        fn(i)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    time.sleep(0.5)  # idle between cases, so that each starts from the same state
+    start, bursts = time.time(), []
+    while time.time() - start < seconds:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(10):
+            graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        bursts.append(a.elapsed_time(b) * 1e3 / (10 * calls))
+    end = time.time()
+    return statistics.median(bursts), start + 0.3 * (end - start), end - 0.1 * (end - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("power_gemm.py needs a GPU")
+    smi = subprocess.Popen(
+        [
+            "nvidia-smi",
+            f"--id={torch.cuda.current_device()}",
+            "--query-gpu=timestamp,power.draw,clocks.sm",
+            "--format=csv,noheader,nounits",
+            "-lms",
+            "100",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    cases = []  # (name, us, start, end, flops, weight bytes)
+    num_experts, n, k, sets = 32, 4096, 7168, 3
+    ws = [_fp8_weights(num_experts, n, k) for _ in range(sets)]
+    packed = [fm.pack_fp8_block_weights(w) for w, _ in ws]
+    for per_expert in (16, 64, 128):
+        a, a_s = _fp8_rows(num_experts * per_expert, k)
+        a, a_s = a.view(num_experts, per_expert, k), a_s.view(num_experts, per_expert, -1)
+        counts = torch.full((num_experts,), per_expert, dtype=torch.int32, device="cuda")
+        out = torch.empty(num_experts, per_expert, n, dtype=torch.bfloat16, device="cuda")
+        for label, weights in (("plain", [w for w, _ in ws]), ("packed", packed)):
+
+            def call(i, a=a, a_s=a_s, weights=weights, counts=counts, out=out):
+                w_scale = ws[i % sets][1]
+                fm.grouped_gemm_fp8_block_masked(a, a_s, weights[i % sets], w_scale, counts, out=out)
+
+            us, t0, t1 = _soak(call, 6, args.seconds)
+            flops = 2.0 * num_experts * per_expert * n * k
+            cases.append((f"masked {per_expert} rows, {label}", us, t0, t1, flops, num_experts * n * k))
+    m = 8192
+    x = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn)
+    y = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn).t()
+    sx, sy = torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, m, device="cuda") + 0.5
+    us, t0, t1 = _soak(lambda i: torch._scaled_mm(x, y, sx, sy, out_dtype=torch.bfloat16), 2, args.seconds)
+    cases.append(("torch._scaled_mm rowwise 8192^3", us, t0, t1, 2.0 * m**3, 0))
+    time.sleep(0.3)
+    smi.terminate()
+    samples = []
+    for line in smi.stdout.read().splitlines():
+        try:
+            stamp, power, clock = (f.strip() for f in line.split(","))
+            # nvidia-smi prints local time, which is what a naive datetime's timestamp() takes it for.
+            samples.append(
+                (datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(power), float(clock))
+            )
+        except ValueError:
+            continue
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name, us, t0, t1, flops, weight_bytes in cases:
+        window = [(p, c) for t, p, c in samples if t0 <= t <= t1]
+        row = dict(case=name, us=us, tflops=flops / us / 1e6, samples=len(window))
+        if weight_bytes:
+            row["weight_tb_s"] = weight_bytes / us / 1e6
+        if window:
+            row["power_w"] = statistics.median(p for p, _ in window)
+            row["sm_clock_mhz"] = statistics.median(c for _, c in window)
+            row["flop_per_clock_per_sm"] = flops / (us * 1e-6) / (row["sm_clock_mhz"] * 1e6) / sms
+            row["of_peak_per_clock"] = row["flop_per_clock_per_sm"] / PEAK_FLOP_PER_CLOCK
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
