@@ -7,7 +7,8 @@ FLOPs per second the tensor cores can deliver. This replays each case for ``--se
 gaps) while ``nvidia-smi`` samples power and SM clock every 100 ms, and prints per case the kernel time
 (median of CUDA-event timed bursts), TFLOP/s, weight bytes per second, the median power and SM clock over
 the window's middle, and the FLOPs per clock per SM they imply (the dense FP8 peak of an H100/H200 SXM SM
-is 8192: 1979 TFLOP/s at 1830 MHz on 132 SMs).
+is 8192: 1979 TFLOP/s at 1830 MHz on 132 SMs). The driver's power reading trails the load by about a
+second, so windows much shorter than the default 3 s read low.
 
 Cases: ``grouped_gemm_fp8_block_masked`` on 32 experts x {16, 64, 128} rows at (N, K) = (4096, 7168), plain
 and packed weights (three weight sets, so that none stays in L2), then ``torch._scaled_mm`` rowwise on one
@@ -31,6 +32,7 @@ import flashinfer_moe as fm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm import _fp8_rows, _fp8_weights  # noqa: E402
+from timing import capture_graph  # noqa: E402
 
 PEAK_FLOP_PER_CLOCK = 8192  # dense FP8 per SM per clock, Hopper SXM
 
@@ -38,16 +40,7 @@ PEAK_FLOP_PER_CLOCK = 8192  # dense FP8 per SM per clock, Hopper SXM
 def _soak(fn, calls: int, seconds: float) -> tuple[float, float, float]:
     """``(us per call, start, end)`` of ``seconds`` of back-to-back graph replays of ``fn(0 .. calls - 1)``;
     the window returned leaves out the first 30% (the clock settling) and the last 10%."""
-    for i in range(calls):
-        fn(i)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+    graph = capture_graph(fn, calls)
     time.sleep(0.5)  # idle between cases, so that each starts from the same state
     start, bursts = time.time(), []
     while time.time() - start < seconds:
