@@ -272,9 +272,18 @@ class MoELayer(nn.Module):
             self._repack(pack=False)
 
     def _repack(self, pack: bool) -> None:
-        for name, gated in (("w13", True), ("w2", False)):
-            data = repack_in_place(getattr(self, name).data, gated=gated, pack=pack)
-            setattr(self, name, nn.Parameter(data, requires_grad=False))
+        done = []
+        try:
+            for name, gated in (("w13", True), ("w2", False)):
+                data = repack_in_place(getattr(self, name).data, gated=gated, pack=pack)
+                setattr(self, name, nn.Parameter(data, requires_grad=False))
+                done.append((name, gated))
+        except BaseException:
+            # w2 failed (and restored itself): put w13 back too, so the layer is never half packed.
+            for name, gated in done:
+                data = repack_in_place(getattr(self, name).data, gated=gated, pack=not pack)
+                setattr(self, name, nn.Parameter(data, requires_grad=False))
+            raise
         self.weights_packed = pack
 
     @torch.no_grad()

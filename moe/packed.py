@@ -152,14 +152,37 @@ def repack_in_place(w: torch.Tensor, *, gated: bool, pack: bool, chunk_experts: 
 
     Returns:
         A view of ``w``'s storage in the other layout; ``w``'s bytes are overwritten.
+
+    Raises:
+        ValueError: ``w`` is not contiguous, or not a shape :func:`pack_fp8_block_weights` takes.
+        Whatever a chunk raises (out of memory, say), once the chunks before it are converted back: ``w`` is
+        then as it was. Should that fail too, a ``RuntimeError`` saying which experts are left converted.
     """
     if not w.is_contiguous():
         raise ValueError(f"w must be contiguous to be repacked in place, got strides {w.stride()}")
+    e, done = w.shape[0], 0
+    try:
+        for e0 in range(0, max(e, 1), chunk_experts):  # E = 0 reaches pack_fp8_block_weights' check
+            dst = w[e0 : e0 + chunk_experts]
+            part = pack_fp8_block_weights(dst, gated=gated).data if pack else _unpack(dst, gated)
+            dst.view(torch.uint8).copy_(part.view(torch.uint8).reshape(dst.shape))
+            done = e0 + dst.shape[0]
+    except BaseException as err:
+        if done:
+            try:
+                repack_in_place(_converted(w, pack)[:done], gated=gated, pack=not pack, chunk_experts=chunk_experts)
+            except BaseException as undo:
+                state = "packed" if pack else "unpacked"
+                raise RuntimeError(
+                    f"repacking w failed ({err!r}), and so did restoring it: experts [0, {done}) are left {state}"
+                ) from undo
+        raise
+    return _converted(w, pack)
+
+
+def _converted(w: torch.Tensor, pack: bool) -> torch.Tensor:
+    """``w``'s storage viewed in the layout ``repack_in_place(w, pack=pack)`` turns it into."""
     e = w.shape[0]
-    for e0 in range(0, max(e, 1), chunk_experts):  # E = 0 reaches pack_fp8_block_weights' check
-        dst = w[e0 : e0 + chunk_experts]
-        part = pack_fp8_block_weights(dst, gated=gated).data if pack else _unpack(dst, gated)
-        dst.view(torch.uint8).copy_(part.view(torch.uint8).reshape(dst.shape))
     if pack:
         _, n, k = w.shape
         return w.view(e, n // ROWS, k // DEPTH, ROWS, DEPTH)

@@ -320,6 +320,34 @@ def test_packed_layer_loads_and_round_trips_state(rng):
     assert torch.equal(fresh(x), loaded_then_packed(x))
 
 
+@pytest.mark.parametrize("pack_first", [False, True])
+def test_repacking_that_fails_on_w2_leaves_the_layer_as_it_was(rng, monkeypatch, pack_first):
+    """w13 converts, then w2's first chunk fails: w13 is converted back, so the layer is never half packed."""
+    from flashinfer_moe.moe import packed as packed_mod
+
+    seed, g = rng
+    layer = MoELayer(4, 2, 256, 256, quant="fp8_block")
+    layer.load_expert_weights(fp8_block_checkpoint(hf_experts(g, 4, 256, 256)))
+    if pack_first:
+        layer.pack_weights()
+    w13, w2 = bits(layer.w13).clone(), bits(layer.w2).clone()
+    target = "_unpack" if pack_first else "_swizzle"
+    real, calls = getattr(packed_mod, target), []
+
+    def fails_on_w2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # one chunk of w13 (4 experts), then w2's
+            raise torch.OutOfMemoryError("w2")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(packed_mod, target, fails_on_w2)
+    with pytest.raises(torch.OutOfMemoryError):
+        layer.unpack_weights() if pack_first else layer.pack_weights()
+    assert layer.weights_packed is pack_first
+    assert torch.equal(bits(layer.w13), w13) and torch.equal(bits(layer.w2), w2), f"seed {seed}"
+    assert isinstance(layer.w13, torch.nn.Parameter) and tuple(layer.w13.shape) == tuple(w13.shape)
+
+
 def test_pack_weights_bad_layer_names_the_argument():
     assert_error_names_argument(lambda: MoELayer(4, 2, 256, 128).pack_weights(), ValueError, "quant")
     assert_error_names_argument(

@@ -126,3 +126,56 @@ def test_fused_moe_rejects_misused_packed_weights(generator):
     assert_error_names_argument(lambda: fm.fused_moe(x, p13, p13, weights, ids, **kw), ValueError, "w2")  # gated
     t_kw = dict(quant="fp8_tensor", w13_scale=torch.ones(num_experts), w2_scale=torch.ones(num_experts))
     assert_error_names_argument(lambda: fm.fused_moe(x, p13, p2, weights, ids, **t_kw), ValueError, "w13")
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_repack_in_place_failing_midway_leaves_the_weights_as_they_were(rng, monkeypatch, pack):
+    """An error in the third of five chunks (out of memory, say): the two chunks already converted are
+    converted back before it propagates, so ``w`` holds the bytes it had."""
+    from flashinfer_moe.moe import packed as packed_mod
+
+    seed, g = rng
+    w = _random_fp8(g, 9, 512, 256)
+    if not pack:
+        w = packed_mod.repack_in_place(w, gated=True, pack=True)
+    before = bits(w).clone()
+    target = "_swizzle" if pack else "_unpack"
+    real, calls = getattr(packed_mod, target), []
+
+    def fails_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("no memory for the third chunk")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(packed_mod, target, fails_third)
+    with pytest.raises(torch.OutOfMemoryError, match="third chunk"):
+        packed_mod.repack_in_place(w, gated=True, pack=pack, chunk_experts=2)
+    assert len(calls) == 3
+    assert torch.equal(bits(w), before), f"seed {seed}"
+    monkeypatch.setattr(packed_mod, target, real)
+    converted = packed_mod.repack_in_place(w, gated=True, pack=pack, chunk_experts=2)  # and it still works
+    assert torch.equal(bits(packed_mod.repack_in_place(converted, gated=True, pack=not pack)), before)
+
+
+def test_repack_in_place_says_what_is_left_when_restoring_fails(rng, monkeypatch):
+    from flashinfer_moe.moe import packed as packed_mod
+
+    _, g = rng
+    w = _random_fp8(g, 5, 256, 128)
+    real, calls = packed_mod._swizzle, []
+
+    def fails_second(part):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("second chunk")
+        return real(part)
+
+    def unpack_fails(*args, **kwargs):
+        raise torch.OutOfMemoryError("restoring")
+
+    monkeypatch.setattr(packed_mod, "_swizzle", fails_second)
+    monkeypatch.setattr(packed_mod, "_unpack", unpack_fails)
+    with pytest.raises(RuntimeError, match=r"experts \[0, 2\) are left packed") as info:
+        packed_mod.repack_in_place(w, gated=False, pack=True, chunk_experts=2)
+    assert "second chunk" in str(info.value) and "restoring" in str(info.value.__cause__)
