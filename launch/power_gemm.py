@@ -1,6 +1,6 @@
 """The board's power and SM clock while each decode GEMM runs, beside cuBLAS's dense FP8 GEMM in the same run.
 
-    python launch/power_gemm.py [--seconds 3] [--json FILE]
+    python launch/power_gemm.py [--seconds 3] [--ramp-seconds 3] [--json FILE]
 
 An H200 running FP8 GEMMs sits at its power limit (700 W), and the clock it then allows sets how many
 FLOPs per second the tensor cores can deliver. This replays each case for ``--seconds`` (CUDA graphs, no
@@ -9,6 +9,10 @@ gaps) while ``nvidia-smi`` samples power and SM clock every 100 ms, and prints p
 the window's middle, and the FLOPs per clock per SM they imply (the dense FP8 peak of an H100/H200 SXM SM
 is 8192: 1979 TFLOP/s at 1830 MHz on 132 SMs). The driver's power reading trails the load by about a
 second, so windows much shorter than the default 3 s read low.
+
+Then (``--ramp-seconds``) each case again from an idle GPU, replay by replay, as TFLOP/s per interval of time
+since the start: the first milliseconds run at a clock the board cannot sustain, which is what a short
+benchmark, or one that idles between timings, reports.
 
 Cases: ``grouped_gemm_fp8_block_masked`` on 32 experts x {16, 64, 128} rows at (N, K) = (4096, 7168), plain
 and packed weights (three weight sets, so that none stays in L2), then ``torch._scaled_mm`` rowwise on one
@@ -55,9 +59,50 @@ def _soak(fn, calls: int, seconds: float) -> tuple[float, float, float]:
     return statistics.median(bursts), start + 0.3 * (end - start), end - 0.1 * (end - start)
 
 
+def _ramp(fn, calls: int, seconds: float, idle: float) -> list[tuple[float, float]]:
+    """``[(ms since the first replay began, us per call)]``, one per replay, over ``seconds`` of back-to-back
+    replays of ``fn(0 .. calls - 1)`` started after ``idle`` seconds of an idle GPU."""
+    graph = capture_graph(fn, calls)
+    time.sleep(idle)
+    events = [torch.cuda.Event(enable_timing=True)]
+    events[0].record()
+    start = time.time()
+    while time.time() - start < seconds:
+        # Ten replays per synchronization: the queue stays short, and the gap a sync leaves is ~1% of them.
+        for _ in range(10):
+            graph.replay()
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
+        torch.cuda.synchronize()
+    return [
+        (events[0].elapsed_time(events[i]), events[i].elapsed_time(events[i + 1]) * 1e3 / calls)
+        for i in range(len(events) - 1)
+    ]
+
+
+RAMP_BINS_MS = ((0, 10), (10, 50), (50, 200), (200, 1000), (1000, 3000))
+
+
+def _ramp_row(name: str, points: list[tuple[float, float]], flops: float) -> dict:
+    """TFLOP/s in each of RAMP_BINS_MS (replays that began in the bin: total FLOPs over total time)."""
+    row = {"case": name}
+    for lo, hi in RAMP_BINS_MS:
+        sel = [us for t, us in points if lo <= t < hi]
+        if sel:
+            row[f"tflops_{lo}_{hi}ms"] = flops * len(sel) / sum(sel) / 1e6
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument(
+        "--ramp-seconds",
+        type=float,
+        default=3.0,
+        help="also time each case replay by replay for this long after 2 s idle, binned by time since the start "
+        "(how far a short benchmark overstates the sustained rate); 0 skips it",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -75,6 +120,7 @@ def main() -> None:
         text=True,
     )
     cases = []  # (name, us, start, end, flops, weight bytes)
+    ramps = []
     num_experts, n, k, sets = 32, 4096, 7168, 3
     ws = [_fp8_weights(num_experts, n, k) for _ in range(sets)]
     packed = [fm.pack_fp8_block_weights(w) for w, _ in ws]
@@ -89,15 +135,23 @@ def main() -> None:
                 w_scale = ws[i % sets][1]
                 fm.grouped_gemm_fp8_block_masked(a, a_s, weights[i % sets], w_scale, counts, out=out)
 
+            name, flops = f"masked {per_expert} rows, {label}", 2.0 * num_experts * per_expert * n * k
             us, t0, t1 = _soak(call, 6, args.seconds)
-            flops = 2.0 * num_experts * per_expert * n * k
-            cases.append((f"masked {per_expert} rows, {label}", us, t0, t1, flops, num_experts * n * k))
+            cases.append((name, us, t0, t1, flops, num_experts * n * k))
+            if args.ramp_seconds > 0:
+                ramps.append(_ramp_row(name, _ramp(call, 6, args.ramp_seconds, 2.0), flops))
     m = 8192
     x = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn)
     y = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn).t()
     sx, sy = torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, m, device="cuda") + 0.5
-    us, t0, t1 = _soak(lambda i: torch._scaled_mm(x, y, sx, sy, out_dtype=torch.bfloat16), 2, args.seconds)
+
+    def dense(i):
+        torch._scaled_mm(x, y, sx, sy, out_dtype=torch.bfloat16)
+
+    us, t0, t1 = _soak(dense, 2, args.seconds)
     cases.append(("torch._scaled_mm rowwise 8192^3", us, t0, t1, 2.0 * m**3, 0))
+    if args.ramp_seconds > 0:
+        ramps.append(_ramp_row(cases[-1][0], _ramp(dense, 2, args.ramp_seconds, 2.0), 2.0 * m**3))
     time.sleep(0.3)
     smi.terminate()
     samples = []
@@ -124,8 +178,10 @@ def main() -> None:
             row["of_peak_per_clock"] = row["flop_per_clock_per_sm"] / PEAK_FLOP_PER_CLOCK
         rows.append(row)
         print(json.dumps(row), flush=True)
+    for row in ramps:
+        print(json.dumps(row), flush=True)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps({"sustained": rows, "ramp": ramps}, indent=1))
 
 
 if __name__ == "__main__":
