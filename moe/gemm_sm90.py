@@ -23,7 +23,7 @@ from flashinfer_moe.errors import JitError
 from flashinfer_moe.jit import KernelSpec, register
 
 from .gemm_op import ACT_CODES
-from .packed import ROWS as PACKED_ROWS
+from .packed import PackedFp8BlockWeights
 
 logger = logging.getLogger("flashinfer_moe")
 
@@ -61,7 +61,7 @@ WGMMA_CONFIGS = {"wg128": "m128n128", "wg64": "m64n256", "wg128w": "m128n256", "
 CONFIGS = (*CUTLASS_CONFIGS, *WGMMA_CONFIGS)
 # Ours with GEMM1's activation in the epilogue: the 256-column tiles (one 128-column output group per tile).
 GATED_CONFIGS = ("wg64", "wg128w", "wg128q")
-# Ours that read packed weights (moe/packed.py): the same 256-column tiles, one packed piece of PACKED_ROWS rows
+# Ours that read packed weights (moe/packed.py): the same 256-column tiles, one packed piece of 256 rows
 # per stage.
 PACKED_CONFIGS = GATED_CONFIGS
 _OUT_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float8_e4m3fn: 2}
@@ -269,11 +269,7 @@ def launch(
         out_scale: `[R, N / 256]` float32 for an e4m3 ``out`` (one scale per row and 128 columns), else None.
         packed: ``w`` is packed; only our 256-column tiles read that (a pick of another runs ``wg128w``).
     """
-    if packed:
-        num_experts, tiles, blocks = w.shape[:3]
-        n, k = tiles * PACKED_ROWS, blocks * 128
-    else:
-        num_experts, n, k = w.shape
+    num_experts, n, k = PackedFp8BlockWeights(w, False).shape if packed else w.shape
     if activation not in ACT_CODES:
         raise ValueError(f"activation must be one of {list(ACT_CODES)}, got {activation!r}")
     gated = activation is not None

@@ -31,6 +31,11 @@ _CHUNK = 16  # bytes the 128-byte swizzle moves as one
 _FP8 = torch.float8_e4m3fn
 
 
+def packed_shape(e: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """The packed data's shape for weights `[E, N, K]` (``PackedFp8BlockWeights.shape`` is its inverse)."""
+    return e, n // ROWS, k // DEPTH, ROWS, DEPTH
+
+
 class PackedFp8BlockWeights:
     """Expert weights `[E, N, K]` packed by :func:`pack_fp8_block_weights`; the block-scaled grouped GEMMs
     (and :func:`fused_moe`) take them in place of ``w``, with the unchanged ``w_scale``.
@@ -129,7 +134,7 @@ def pack_fp8_block_weights(w, *, gated: bool = False, chunk_experts: int = 16) -
     if e == 0 or n % ROWS or k % DEPTH or k == 0 or n == 0:
         raise ValueError(f"w must have E >= 1, N a multiple of {ROWS} and K of {DEPTH}, got shape {tuple(w.shape)}")
     order = _gate_up_rows(n, w.device) if gated else None
-    out = torch.empty(e, n // ROWS, k // DEPTH, ROWS, DEPTH, dtype=_FP8, device=w.device)
+    out = torch.empty(packed_shape(e, n, k), dtype=_FP8, device=w.device)
     for e0 in range(0, e, chunk_experts):
         part = w[e0 : e0 + chunk_experts].view(torch.uint8)  # index ops have no fp8 kernels
         if order is not None:
@@ -182,9 +187,4 @@ def repack_in_place(w: torch.Tensor, *, gated: bool, pack: bool, chunk_experts: 
 
 def _converted(w: torch.Tensor, pack: bool) -> torch.Tensor:
     """``w``'s storage viewed in the layout ``repack_in_place(w, pack=pack)`` turns it into."""
-    e = w.shape[0]
-    if pack:
-        _, n, k = w.shape
-        return w.view(e, n // ROWS, k // DEPTH, ROWS, DEPTH)
-    _, tiles, blocks, _, _ = w.shape
-    return w.view(e, tiles * ROWS, blocks * DEPTH)
+    return w.view(packed_shape(*w.shape) if pack else PackedFp8BlockWeights(w, False).shape)
