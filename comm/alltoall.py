@@ -11,8 +11,10 @@ buffers are mapped through CUDA IPC like any peer's, need no peer access, and th
 work on local memory; their kernels are time-sliced, so the waits progress slowly but within their bounds.
 
 Both backends return the same :class:`DispatchOutput` (same rows, order, padding, layout) and the same combine
-sums, bit for bit. Bad arguments raise ``ValueError``/``TypeError`` naming the argument on the rank that got
-them, before any communication.
+sums, bit for bit. Construction checks each rank's arguments, then agrees in one small all-gather that every
+rank's are valid and the same (:func:`~flashinfer_moe.comm.agreement.validate_collectively`): a bad argument on
+any rank, or one that differs between ranks, raises ``ValueError``/``TypeError`` naming it on every rank, before
+any other communication. Bad arguments of a call raise on the rank that got them, before any communication.
 
 Dimension legend: ``T`` tokens on this rank, ``k`` top-k, ``H`` hidden size, ``E`` experts, ``W`` ranks,
 ``R`` rows received.
@@ -27,6 +29,7 @@ import torch.distributed as dist
 
 from flashinfer_moe import _checks, envs
 
+from .agreement import validate_collectively
 from .collective import CollectiveAllToAll, DispatchHandle, DispatchOutput, check_dispatch_inputs
 
 __all__ = ["MoEAllToAll"]
@@ -54,7 +57,8 @@ def _first(reasons: list) -> str | None:
 class MoEAllToAll:
     """Dispatch/combine of one expert-parallel group (expert ``e`` lives on rank ``e // (E / W)``).
 
-    Collective to construct: every rank of ``group`` builds it at the same point with the same arguments.
+    Collective to construct: every rank of ``group`` builds it at the same point with the same arguments (checked:
+    an argument that is bad on any rank, or differs between ranks, raises on every rank).
 
     Args:
         group: the ``torch.distributed`` process group (None: the default group).
@@ -105,42 +109,69 @@ class MoEAllToAll:
             raise ValueError("group must come from an initialized torch.distributed, got no process group")
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.num_experts = _checks.integer("num_experts", num_experts, 1)
-        if num_experts % self.world_size:
-            raise ValueError(f"num_experts must be divisible by the group size {self.world_size}, got {num_experts}")
-        self.experts_per_rank = num_experts // self.world_size
-        self.top_k = _checks.integer("top_k", top_k, 1, num_experts)
-        self.hidden_size = _checks.integer("hidden_size", hidden_size, 1)
-        self.max_tokens_per_rank = _checks.integer("max_tokens_per_rank", max_tokens_per_rank, 0, 2**31 - 1)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        self.dtype = dtype
-        if combine_dtype is None:
-            combine_dtype = dtype if dtype in _COMBINE_DTYPES else torch.bfloat16
-        if combine_dtype not in _COMBINE_DTYPES:
-            raise TypeError(f"combine_dtype must be one of bfloat16, float16, float32, got {combine_dtype!r}")
-        self.combine_dtype = combine_dtype
-        default_groups = -(-hidden_size // 128)
-        self.scale_groups = default_groups if scale_groups is None else _checks.integer("scale_groups", scale_groups, 0)
-        if mode not in ("high_throughput", "low_latency"):
-            raise ValueError(f"mode must be 'high_throughput' or 'low_latency', got {mode!r}")
-        self.mode = mode
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        rows = self.world_size * self.max_tokens_per_rank
-        self.capacity = rows if capacity is None else _checks.integer("capacity", capacity, 0)
-        self.timeout_s = envs.a2a_timeout_s() if timeout_s is None else float(timeout_s)
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if handle_type not in ("auto", "ipc", "fabric"):
-            raise ValueError(f"handle_type must be 'auto', 'ipc' or 'fabric', got {handle_type!r}")
-        if backend == "p2p" and not torch.cuda.is_available():
-            raise ValueError(
-                "backend='p2p' needs a CUDA GPU on every rank, got none (torch.cuda.is_available() is False); "
-                "use backend='auto' or 'nccl'"
+
+        # Every check is local; validate_collectively then makes every rank raise when any rank's arguments
+        # are bad or the ranks' arguments differ, before the first collective that depends on them.
+        def check() -> None:
+            self.num_experts = _checks.integer("num_experts", num_experts, 1)
+            if num_experts % self.world_size:
+                raise ValueError(
+                    f"num_experts must be divisible by the group size {self.world_size}, got {num_experts}"
+                )
+            self.experts_per_rank = num_experts // self.world_size
+            self.top_k = _checks.integer("top_k", top_k, 1, num_experts)
+            self.hidden_size = _checks.integer("hidden_size", hidden_size, 1)
+            self.max_tokens_per_rank = _checks.integer("max_tokens_per_rank", max_tokens_per_rank, 0, 2**31 - 1)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+            self.dtype = dtype
+            combine = combine_dtype
+            if combine is None:
+                combine = dtype if dtype in _COMBINE_DTYPES else torch.bfloat16
+            if combine not in _COMBINE_DTYPES:
+                raise TypeError(f"combine_dtype must be one of bfloat16, float16, float32, got {combine!r}")
+            self.combine_dtype = combine
+            default_groups = -(-hidden_size // 128)
+            self.scale_groups = (
+                default_groups if scale_groups is None else _checks.integer("scale_groups", scale_groups, 0)
             )
-        self.fallback_on_timeout = bool(fallback_on_timeout)
-        self.validate = bool(validate)
+            if mode not in ("high_throughput", "low_latency"):
+                raise ValueError(f"mode must be 'high_throughput' or 'low_latency', got {mode!r}")
+            self.mode = mode
+            if backend not in _BACKENDS:
+                raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+            rows = self.world_size * self.max_tokens_per_rank
+            self.capacity = rows if capacity is None else _checks.integer("capacity", capacity, 0)
+            self.timeout_s = envs.a2a_timeout_s() if timeout_s is None else float(timeout_s)
+            if not self.timeout_s > 0:
+                raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+            if handle_type not in ("auto", "ipc", "fabric"):
+                raise ValueError(f"handle_type must be 'auto', 'ipc' or 'fabric', got {handle_type!r}")
+            if backend == "p2p" and not torch.cuda.is_available():
+                raise ValueError(
+                    "backend='p2p' needs a CUDA GPU on every rank, got none (torch.cuda.is_available() is False); "
+                    "use backend='auto' or 'nccl'"
+                )
+            self.fallback_on_timeout = bool(fallback_on_timeout)
+            self.validate = bool(validate)
+
+        agreed = dict(
+            num_experts=num_experts,
+            top_k=top_k,
+            hidden_size=hidden_size,
+            max_tokens_per_rank=max_tokens_per_rank,
+            dtype=dtype,
+            mode=mode,
+            backend=backend,
+            capacity=capacity,
+            combine_dtype=combine_dtype,
+            scale_groups=scale_groups,
+            timeout_s=timeout_s,
+            fallback_on_timeout=fallback_on_timeout,
+            validate=validate,
+            handle_type=handle_type,
+        )
+        validate_collectively(group, "MoEAllToAll", agreed, check)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.fallback_reason: str | None = None
         self._impl = None
