@@ -51,3 +51,17 @@ def finite_float(name: str, value: object) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return float(value)
+
+
+def positive_float(name: str, value: object, expected: str = "a float") -> float:
+    """A Python number that must be positive and finite (a scale, a clamp limit) as a float; ``expected`` is
+    what the ``TypeError`` says the argument must be."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        number = math.inf
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {number}")
+    return number

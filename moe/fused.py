@@ -98,9 +98,10 @@ def fused_moe(
             tensor, from ``a13_scale``/``a2_scale`` where given, else computed on the device).
         w13_scale, w2_scale: weight scales as ``quant`` needs (float32).
         a13_scale, a2_scale: static per-tensor activation scales for ``"fp8_tensor"`` (e.g. a checkpoint's
-            ``input_scale``), float32 one-element tensors.
-        activation: ``"silu"`` or ``"clamped_silu"`` (gpt-oss, with ``alpha`` and ``limit``).
-        routed_scaling_factor: optional factor applied to the weighted sum.
+            ``input_scale``), float32 one-element tensors (or positive finite floats).
+        activation: ``"silu"`` or ``"clamped_silu"`` (gpt-oss, with ``alpha`` and ``limit``: ``alpha`` finite,
+            ``limit`` positive and finite).
+        routed_scaling_factor: optional factor applied to the weighted sum, a positive finite float.
         validate: raise on ids outside ``[-1, E)`` (one host sync on a GPU, skipped under graph capture and
             torch.compile); ``False`` drops them silently, as :func:`moe_align_contiguous` does.
         out: optional `[T, H]` buffer of the dtype of ``hidden_states``.
@@ -118,6 +119,15 @@ def fused_moe(
     num_experts, _ = _check_weights(quant, hidden, w13, w2, w13_scale, w2_scale)
     if quant != "fp8_tensor" and (a13_scale is not None or a2_scale is not None):
         raise ValueError(f"a13_scale and a2_scale apply to quant='fp8_tensor' only, got quant={quant!r}")
+    # The Python numbers, before any launch (the GEMMs and combine check them again where they are used);
+    # a scale given as a tensor is not read, which would cost a host sync.
+    for name, s in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
+        if s is not None and not isinstance(s, torch.Tensor):
+            _checks.positive_float(name, s, "a float or a float32 tensor")
+    _checks.finite_float("alpha", alpha)
+    _checks.positive_float("limit", limit)
+    if routed_scaling_factor is not None:
+        _checks.positive_float("routed_scaling_factor", routed_scaling_factor)
     for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         t = t.data if isinstance(t, PackedFp8BlockWeights) else t
         _checks.same_device(name, _checks.tensor(name, t), "hidden_states", hidden)

@@ -101,7 +101,7 @@ def _activation(activation: object, w: torch.Tensor, alpha: object, limit: objec
     nw = w.shape[1]
     if activation is not None and nw % 2:
         raise ValueError(f"w must have an even number of rows (gate then up) with activation={activation!r}, got {nw}")
-    alpha, limit = _checks.finite_float("alpha", alpha), _checks.finite_float("limit", limit)
+    alpha, limit = _checks.finite_float("alpha", alpha), _checks.positive_float("limit", limit)
     return ACT_CODES[activation], nw // 2 if activation else nw, alpha, limit
 
 
@@ -214,7 +214,7 @@ def _fp8(
 _ACT_DOC = """activation: ``None``; ``"silu"`` (``silu(gate) * up``, gate rows ``[0, N/2)`` of ``w`` first);
             or ``"clamped_silu"`` (gpt-oss: ``g * sigmoid(alpha * g) * (u + 1)``, ``g = min(gate, limit)``,
             ``u = clamp(up, -limit, limit)``). With an activation the output has ``N / 2`` columns.
-        alpha, limit: parameters of ``"clamped_silu"``."""
+        alpha, limit: parameters of ``"clamped_silu"`` (``alpha`` finite, ``limit`` positive and finite)."""
 
 
 def grouped_gemm_bf16_contiguous(

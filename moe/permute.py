@@ -201,8 +201,8 @@ def permute_fp8_per_tensor(
     Args:
         hidden: `[T, H]` float32/float16/bfloat16.
         layout: the expert-major layout.
-        scale: the dequantization scale (float, or one-element float32 tensor: needed for CUDA graphs);
-            default ``max(amax(hidden) / 448, 2**-126)``, computed on the device.
+        scale: the dequantization scale (positive finite float, or one-element float32 tensor: needed for CUDA
+            graphs); default ``max(amax(hidden) / 448, 2**-126)``, computed on the device.
         out: optional `[*rows_shape, H]` float8_e4m3fn buffer.
 
     Returns:
@@ -232,8 +232,8 @@ def permute_nvfp4(
     Args:
         hidden: `[T, H]` float32/float16/bfloat16, ``H`` a multiple of 16.
         layout: the expert-major layout.
-        global_scale: the dequantization global scale (e.g. a checkpoint's ``input_scale``), float or
-            one-element float32 tensor; default ``max(amax(hidden) / (6 * 448), 2**-126)`` on the device.
+        global_scale: the dequantization global scale (e.g. a checkpoint's ``input_scale``), positive finite
+            float or one-element float32 tensor; default ``max(amax(hidden) / (6 * 448), 2**-126)`` on the device.
         out: optional ``(packed [*rows_shape, H / 2] uint8, block_scales [*rows_shape, H / 16] float8_e4m3fn)``.
 
     Returns:
@@ -268,7 +268,7 @@ def combine(
         y: `[*layout.rows_shape, H]` float32/float16/bfloat16 expert outputs (`[R, H]` or `[E, C, H]`).
         topk_weights: `[T, k]` routing weights (float32; other float dtypes are converted).
         layout: the layout ``y`` is in.
-        routed_scaling_factor: optional factor applied to the sum.
+        routed_scaling_factor: optional factor applied to the sum, a positive finite float.
         residual: optional `[T, H]` added last (e.g. the shared expert's output), in the output dtype.
         out_dtype: float32, float16 or bfloat16; default ``y.dtype``.
         out: optional `[T, H]` buffer of ``out_dtype``.
@@ -306,7 +306,7 @@ def combine(
         residual = residual.contiguous()
     scale = 1.0
     if routed_scaling_factor is not None:
-        scale = _checks.finite_float("routed_scaling_factor", routed_scaling_factor)
+        scale = _checks.positive_float("routed_scaling_factor", routed_scaling_factor)
     out = (
         torch.empty(shape, dtype=out_dtype, device=y.device)
         if out is None

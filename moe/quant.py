@@ -28,6 +28,7 @@ __all__ = [
 
 FP8 = torch.float8_e4m3fn
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_FP32_MAX = torch.finfo(torch.float32).max
 
 LIB.define("amax_scale_(Tensor x, Tensor(a!) scale, float divisor) -> ()")
 LIB.define("quantize_fp8_block_(Tensor w, Tensor(a!) q, Tensor(b!) scales, int block_n, int block_k) -> ()")
@@ -125,7 +126,9 @@ def group_size_arg(group_size: object) -> int:
 def scale_tensor(name: str, scale: object, like_name: str, like: torch.Tensor) -> torch.Tensor:
     """A given scale (float, or float32 tensor of one element on ``like``'s device) as a 0-d fp32 tensor.
 
-    A Python float is copied to the device on every call: pass a tensor to capture in a CUDA graph.
+    A Python number must be positive and finite, and a normal float32 (zero would saturate every value, a
+    negative one flip the signs); a tensor's value is not checked, which would cost a host sync. A Python
+    number is copied to the device on every call: pass a tensor to capture in a CUDA graph.
     """
     if isinstance(scale, torch.Tensor):
         _checks.dtype_in(name, scale, (torch.float32,))
@@ -133,9 +136,12 @@ def scale_tensor(name: str, scale: object, like_name: str, like: torch.Tensor) -
         if scale.numel() != 1:
             raise ValueError(f"{name} must hold one value, got shape {tuple(scale.shape)}")
         return scale.reshape(()).contiguous()
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{name} must be a float or a float32 tensor, got {type(scale).__name__}")
-    return torch.tensor(float(scale), dtype=torch.float32, device=like.device)
+    scale = _checks.positive_float(name, scale, "a float or a float32 tensor")
+    if not ref.MIN_SCALE <= scale <= _FP32_MAX:  # would become 0, a subnormal or inf in float32
+        raise ValueError(
+            f"{name} must be a positive finite number in float32's normal range [2**-126, {_FP32_MAX:.6g}], got {scale}"
+        )
+    return torch.tensor(scale, dtype=torch.float32, device=like.device)
 
 
 def tensor_scale(x: torch.Tensor, x_name: str, scale: object, name: str, divisor: float) -> torch.Tensor:
@@ -231,8 +237,8 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale=None, *, out=None) -> tuple[t
 
     Args:
         x: any shape, float32/float16/bfloat16 (last dimension a multiple of 8 for the fastest path).
-        scale: the dequantization scale (float or one-element float32 tensor); default ``max(amax / 448,
-            2**-126)`` computed on the device with no host sync.
+        scale: the dequantization scale (positive finite float, or one-element float32 tensor); default
+            ``max(amax / 448, 2**-126)`` computed on the device with no host sync.
         out: optional ``q`` buffer.
 
     Returns:
@@ -279,7 +285,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scale=None, *, out=None) -> tuple[tor
 
     Args:
         x: `[..., K]` float32/float16/bfloat16, ``K`` a multiple of 16.
-        global_scale: float or one-element float32 tensor; default from the amax, computed on the device.
+        global_scale: positive finite float or one-element float32 tensor; default from the amax, computed on
+            the device.
         out: optional ``(packed, block_scales)`` buffers.
 
     Returns:
@@ -304,7 +311,7 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scales: torch.Tensor, global_sc
     Args:
         packed: `[..., K / 2]` uint8.
         block_scales: `[..., K / 16]` float8_e4m3fn.
-        global_scale: float or one-element float32 tensor.
+        global_scale: positive finite float or one-element float32 tensor.
         out: optional `[..., K]` float32 buffer.
 
     Returns:

@@ -1,6 +1,9 @@
 """Grouped GEMMs and fused_moe on the CPU tier: the public wrappers (CPU path), the Triton kernel itself in
 Triton's interpreter, and bad input."""
 
+import functools
+import math
+
 import pytest
 import torch
 from checks import assert_error_names_argument
@@ -333,6 +336,82 @@ def test_fused_moe_bad_input(generator):
         ValueError,
         "activation",
     )
+
+
+NOT_POSITIVE_FINITE = {"0": 0, "-1.0": -1.0, "nan": math.nan, "inf": math.inf}
+
+
+def _gemm_calls(g):
+    """``kw -> call`` for every grouped GEMM on small CPU operands, both layouts."""
+    calls = {}
+    for kind in ("bf16", "fp8_block", "fp8_tensor"):
+        w, w_scale = make_weights(kind, 2, 256, 256, g, "cpu")
+        layout = contiguous_layout([3, 5], 1, "cpu")
+        a, a_scale = make_activations(kind, (layout.num_rows,), 256, g, "cpu")
+        am, am_scale = make_activations(kind, (2, 4), 256, g, "cpu")
+        counts = torch.tensor([1, 4], dtype=torch.int32)
+        calls[f"{kind} contiguous"] = functools.partial(_call, kind, "contiguous", a, a_scale, w, w_scale, layout)
+        calls[f"{kind} masked"] = functools.partial(_call, kind, "masked", am, am_scale, w, w_scale, counts)
+    return calls
+
+
+GEMM_CASES = [f"{kind} {layout}" for kind in ("bf16", "fp8_block", "fp8_tensor") for layout in ("contiguous", "masked")]
+
+
+@pytest.mark.parametrize("value", list(NOT_POSITIVE_FINITE))
+@pytest.mark.parametrize("case", GEMM_CASES)
+def test_clamped_silu_limit_and_alpha_numbers(generator, case, value):
+    """``limit`` must be positive and finite, ``alpha`` finite, in every grouped GEMM."""
+    v, call = NOT_POSITIVE_FINITE[value], _gemm_calls(generator)[case]
+    with pytest.raises(ValueError, match="must be a positive finite number"):
+        call(activation="clamped_silu", limit=v)
+    assert_error_names_argument(lambda: call(activation="clamped_silu", limit=v), ValueError, "limit")
+    if not math.isfinite(v):
+        assert_error_names_argument(lambda: call(activation="clamped_silu", alpha=v), ValueError, "alpha")
+
+
+def _fused_problem(g, kind):
+    x = torch.randn(3, 256, generator=g).bfloat16()
+    w13, s13 = make_weights(kind, 4, 256, 256, g, "cpu")
+    w2, s2 = make_weights(kind, 4, 256, 128, g, "cpu")
+    weights, ids = fm.route(torch.randn(3, 4, generator=g), 2)
+    return (x, w13, w2, weights, ids) if kind == "bf16" else (x, w13, w2, weights, ids, s13, s2)
+
+
+@pytest.mark.parametrize("value", list(NOT_POSITIVE_FINITE))
+def test_number_scales_of_fused_moe_and_layer(generator, value):
+    """Static activation scales given as Python numbers, ``routed_scaling_factor`` and ``limit`` must be
+    positive and finite (``alpha`` finite), refused before anything is computed."""
+    v = NOT_POSITIVE_FINITE[value]
+    x, w13, w2, weights, ids, s13, s2 = _fused_problem(generator, "fp8_tensor")
+    kw = dict(quant="fp8_tensor", w13_scale=s13, w2_scale=s2)
+    f = fm.fused_moe
+    for name in ("a13_scale", "a2_scale", "routed_scaling_factor"):
+        with pytest.raises(ValueError, match="must be a positive finite number"):
+            f(x, w13, w2, weights, ids, **kw, **{name: v})
+        assert_error_names_argument(lambda name=name: f(x, w13, w2, weights, ids, **kw, **{name: v}), ValueError, name)
+    x, w13, w2, weights, ids = _fused_problem(generator, "bf16")
+    assert_error_names_argument(
+        lambda: f(x, w13, w2, weights, ids, routed_scaling_factor=v), ValueError, "routed_scaling_factor"
+    )
+    assert_error_names_argument(
+        lambda: fm.MoELayer(8, 2, 128, 128, routed_scaling_factor=v), ValueError, "routed_scaling_factor"
+    )
+    # limit positive and finite, alpha finite, as in the GEMMs
+    act = dict(activation="clamped_silu")
+    assert_error_names_argument(lambda: f(x, w13, w2, weights, ids, **act, limit=v), ValueError, "limit")
+    assert_error_names_argument(lambda: fm.MoELayer(8, 2, 128, 128, **act, limit=v), ValueError, "limit")
+    if not math.isfinite(v):
+        assert_error_names_argument(lambda: f(x, w13, w2, weights, ids, **act, alpha=v), ValueError, "alpha")
+        assert_error_names_argument(lambda: fm.MoELayer(8, 2, 128, 128, **act, alpha=v), ValueError, "alpha")
+
+
+def test_fused_moe_number_activation_scales_equal_tensor_scales(generator):
+    x, w13, w2, weights, ids, s13, s2 = _fused_problem(generator, "fp8_tensor")
+    kw = dict(quant="fp8_tensor", w13_scale=s13, w2_scale=s2)
+    by_number = fm.fused_moe(x, w13, w2, weights, ids, a13_scale=0.03, a2_scale=0.5, **kw)
+    by_tensor = fm.fused_moe(x, w13, w2, weights, ids, a13_scale=torch.tensor(0.03), a2_scale=torch.tensor(0.5), **kw)
+    assert torch.equal(by_number, by_tensor)
 
 
 # ------------------------------------------------------------------ Hopper kernel choice (static, no GPU needed)

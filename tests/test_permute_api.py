@@ -474,6 +474,49 @@ def test_bad_input_names_the_argument(case):
     assert_error_names_argument(*BAD[case])
 
 
+# Every scale that may be given as a Python number: zero would saturate every value, a negative one flip the
+# signs, NaN or inf poison the output. (A tensor's value is not checked: that would sync the GPU.)
+NUMBER_SCALES = {
+    "quantize_fp8_per_tensor": (lambda v: fm.quantize_fp8_per_tensor(_h, v), "scale"),
+    "permute_fp8_per_tensor": (lambda v: fm.permute_fp8_per_tensor(_h, _L, v), "scale"),
+    "permute_fp8_per_tensor masked": (lambda v: fm.permute_fp8_per_tensor(_h, _M, scale=v), "scale"),
+    "quantize_nvfp4": (lambda v: fm.quantize_nvfp4(_h, v), "global_scale"),
+    "permute_nvfp4": (lambda v: fm.permute_nvfp4(_h, _L, v), "global_scale"),
+    "dequantize_nvfp4": (lambda v: fm.dequantize_nvfp4(_p, _bs, v), "global_scale"),
+    "combine": (lambda v: fm.combine(_y, _w, _L, routed_scaling_factor=v), "routed_scaling_factor"),
+}
+NOT_POSITIVE_FINITE = {"0": 0, "-1.0": -1.0, "nan": math.nan, "inf": math.inf, "-inf": -math.inf, "-0.0": -0.0}
+
+
+@pytest.mark.parametrize("value", list(NOT_POSITIVE_FINITE))
+@pytest.mark.parametrize("case", list(NUMBER_SCALES))
+def test_number_scale_must_be_positive_and_finite(case, value):
+    call, name = NUMBER_SCALES[case]
+    assert_error_names_argument(lambda: call(NOT_POSITIVE_FINITE[value]), ValueError, name)
+    with pytest.raises(ValueError, match="must be a positive finite number"):
+        call(NOT_POSITIVE_FINITE[value])
+
+
+@pytest.mark.parametrize("value", [1e-50, 2.0**-127, 1e39, 10**400])
+@pytest.mark.parametrize("case", [c for c in NUMBER_SCALES if c != "combine"])
+def test_number_scale_must_be_a_normal_float32(case, value):
+    """A scale travels as float32: one that would become 0, a subnormal or inf there is refused too."""
+    call, name = NUMBER_SCALES[case]
+    assert_error_names_argument(lambda: call(value), ValueError, name)
+
+
+def test_number_scale_equals_the_same_tensor_scale():
+    x = torch.randn(3, 128)
+    for number in (0.5, 2, 2.0**-126):  # ints are numbers too; the smallest normal float32 is fine
+        q, s = fm.quantize_fp8_per_tensor(x, number)
+        q_t, s_t = fm.quantize_fp8_per_tensor(x, torch.tensor(float(number)))
+        assert torch.equal(q.view(torch.uint8), q_t.view(torch.uint8)) and torch.equal(s, s_t), number
+    packed, bs, gs = fm.quantize_nvfp4(x, 0.01)
+    assert torch.equal(fm.dequantize_nvfp4(packed, bs, 0.01), fm.dequantize_nvfp4(packed, bs, gs))
+    # A tensor scale is taken as given (its value is not read on the host).
+    assert fm.quantize_fp8_per_tensor(x, torch.tensor(-1.0))[1].item() == -1.0
+
+
 # --------------------------------------------------------------------------------------------- compile
 
 
