@@ -18,6 +18,7 @@ or all of it in one call: ``fused_moe(hidden, w13, w2, topk_weights, topk_ids, q
 """
 
 from ._version import __version__
+from .ep_layer import EPMoELayer
 from .errors import CommTimeoutError, FlashInferMoEError, JitError, KernelLaunchError
 from .layer import MoELayer
 from .layout import ExpertLayout
@@ -45,6 +46,7 @@ from .moe.routing import route
 __all__ = [
     "__version__",
     "CommTimeoutError",
+    "EPMoELayer",
     "ExpertLayout",
     "FlashInferMoEError",
     "JitError",

@@ -8,7 +8,7 @@ Dimension legend: ``T`` tokens, ``E`` experts, ``k`` top-k, ``H`` hidden, ``I`` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -55,13 +55,15 @@ class MoELayer(nn.Module):
         scoring_func, renormalize, num_expert_group, topk_group: as :func:`flashinfer_moe.route` takes them.
         correction_bias: hold ``correction_bias [E]`` fp32 (DeepSeek-V3's ``e_score_correction_bias``), added
             to the scores for expert selection only.
-        routed_scaling_factor: multiplies the weighted sum of the experts' outputs; None means 1.
+        routed_scaling_factor: multiplies the weighted sum of the experts' outputs, a positive finite float;
+            None means 1.
         quant: ``None``, ``"fp8_block"`` (128 x 128 weight blocks, activations per token and 128 channels; ``H``
             and ``I`` multiples of 128) or ``"fp8_tensor"`` (one scale per expert, activations per tensor).
         static_activation_scales: with ``"fp8_tensor"``, hold static activation scales ``a13_scale`` and
             ``a2_scale`` (0-d fp32, loaded from the checkpoint's ``input_scale``) instead of computing them
             from each batch.
-        activation: ``"silu"`` or ``"clamped_silu"`` (gpt-oss, with ``alpha`` and ``limit``).
+        activation: ``"silu"`` or ``"clamped_silu"`` (gpt-oss, with ``alpha`` and ``limit``: ``alpha`` finite,
+            ``limit`` positive and finite).
         params_dtype: dtype of the router weight, and of the expert weights without ``quant``.
         device: where the parameters live.
     """
@@ -105,7 +107,7 @@ class MoELayer(nn.Module):
                 raise ValueError(f"num_expert_group must divide num_experts = {num_experts}, got {num_expert_group}")
             _checks.integer("topk_group", topk_group, 1, num_expert_group)
         if routed_scaling_factor is not None:
-            routed_scaling_factor = _checks.finite_float("routed_scaling_factor", routed_scaling_factor)
+            routed_scaling_factor = _checks.positive_float("routed_scaling_factor", routed_scaling_factor)
         if quant not in QUANTS:
             raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
         if quant == "fp8_block" and (h % BLOCK or i % BLOCK):
@@ -126,8 +128,8 @@ class MoELayer(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.quant = quant
         self.activation = activation
-        self.alpha = float(alpha)
-        self.limit = float(limit)
+        self.alpha = _checks.finite_float("alpha", alpha)
+        self.limit = _checks.positive_float("limit", limit)
         self.params_dtype = params_dtype
         self.weights_packed = False
 
@@ -294,6 +296,7 @@ class MoELayer(nn.Module):
             raise ValueError("weight cannot be loaded into a layer built with router=False, got a tensor")
         weight = _checks.tensor("weight", weight)
         _checks.dtype_in("weight", weight, FLOATS)
+        finite("weight", weight)
         if tuple(weight.shape) != tuple(self.router_weight.shape):
             raise ValueError(
                 f"weight must have shape [E, H] = {tuple(self.router_weight.shape)}, got {tuple(weight.shape)}"
@@ -304,19 +307,22 @@ class MoELayer(nn.Module):
                 raise ValueError("correction_bias needs a layer built with correction_bias=True, got a tensor")
             bias = _checks.tensor("correction_bias", correction_bias)
             _checks.dtype_in("correction_bias", bias, FLOATS)
+            finite("correction_bias", bias)
             if tuple(bias.shape) != (self.num_experts,):
                 raise ValueError(f"correction_bias must have shape ({self.num_experts},), got {tuple(bias.shape)}")
             self.correction_bias.copy_(bias)
 
     @torch.no_grad()
-    def load_expert_weights(self, weights: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+    def load_expert_weights(
+        self, weights: Mapping[str, torch.Tensor], prefix: str = "", experts: Sequence[int | str] | None = None
+    ) -> None:
         """Fill ``w13``, ``w2`` and their scales from per-expert HF-style tensors, converting as needed.
 
         Keys, for every expert ``e`` in ``[0, E)``: ``{prefix}{e}.gate_proj.weight`` `[I, H]`,
         ``{prefix}{e}.up_proj.weight`` `[I, H]`, ``{prefix}{e}.down_proj.weight`` `[H, I]`, each bf16/fp16/fp32,
         or float8_e4m3fn with its scale: ``weight_scale_inv`` (128 x 128 blocks, `[ceil(N/128), ceil(K/128)]`
         fp32, DeepSeek-V3) or ``weight_scale`` (one value per tensor). With static activation scales, also
-        ``input_scale`` of each projection. Other keys are ignored.
+        ``input_scale`` of each projection. Other keys are ignored, and every value read must be finite.
 
         A checkpoint already in the layer's format is copied as stored (FP8 blocks into ``"fp8_block"``);
         higher precision is quantized (per 128 x 128 block, or per expert from the amax for ``"fp8_tensor"``);
@@ -329,39 +335,41 @@ class MoELayer(nn.Module):
         Args:
             weights: a mapping of names to tensors (e.g. a safetensors state dict), on any device.
             prefix: prepended to every key, e.g. ``"model.layers.3.mlp.experts."``.
+            experts: the checkpoint's names of the layer's experts ``0 .. E - 1`` in keys, in order; default
+                ``0 .. E - 1`` (an expert-parallel rank passes its global ids).
 
         Raises:
-            ValueError: a key is missing (all missing experts are listed) or a tensor has the wrong shape.
+            ValueError: a key is missing (all missing experts are listed), a tensor has the wrong shape, or a
+                value is not finite.
             TypeError: a tensor has the wrong dtype.
         """
         if not isinstance(weights, Mapping):
             raise TypeError(f"weights must be a Mapping of names to tensors, got {type(weights).__name__}")
         h, i = self.hidden_size, self.intermediate_size
         shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+        names = list(range(self.num_experts)) if experts is None else list(experts)
+        if len(names) != self.num_experts:
+            raise ValueError(f"experts must name E = {self.num_experts} experts, got {len(names)}")
         # Check every expert before writing any, so a bad checkpoint leaves the layer as it was.
         missing = [
-            f"{prefix}{e}.{p}.weight"
-            for e in range(self.num_experts)
+            (name, f"{prefix}{name}.{p}.weight")
+            for name in names
             for p in _PROJECTIONS
-            if f"{prefix}{e}.{p}.weight" not in weights
+            if f"{prefix}{name}.{p}.weight" not in weights
         ]
         if missing:
-            experts = sorted({int(k[len(prefix) :].split(".")[0]) for k in missing})
-            shown = ", ".join(missing[:6]) + (f", ... ({len(missing)} keys)" if len(missing) > 6 else "")
+            absent = list(dict.fromkeys(name for name, _ in missing))
+            shown = ", ".join(k for _, k in missing[:6]) + (f", ... ({len(missing)} keys)" if len(missing) > 6 else "")
             raise ValueError(
-                f"weights must hold every expert's gate/up/down weight; missing experts {experts}: got no {shown}"
+                f"weights must hold every expert's gate/up/down weight; missing experts {absent}: got no {shown}"
             )
-        experts = [
-            {p: self._checked(weights, f"{prefix}{e}.{p}.", shapes[p]) for p in _PROJECTIONS}
-            for e in range(self.num_experts)
+        loaded = [
+            {p: self._checked(weights, f"{prefix}{name}.{p}.", shapes[p]) for p in _PROJECTIONS} for name in names
         ]
         if self.a13_scale is not None:
-            inputs = {
-                p: [self._input_scale(weights, f"{prefix}{e}.{p}.") for e in range(self.num_experts)]
-                for p in _PROJECTIONS
-            }
+            inputs = {p: [self._input_scale(weights, f"{prefix}{name}.{p}.") for name in names] for p in _PROJECTIONS}
         device = self.w13.device
-        for e, tensors in enumerate(experts):
+        for e, tensors in enumerate(loaded):
             gate, up, down = ([t.to(device) if t is not None else None for t in tensors[p]] for p in _PROJECTIONS)
             if self.quant is None:
                 self.w13[e, :i] = _dense(*gate)
@@ -394,6 +402,7 @@ class MoELayer(nn.Module):
         if tuple(w.shape) != shape:
             raise ValueError(f"{key}weight must have shape {shape}, got {tuple(w.shape)}")
         _checks.dtype_in(key + "weight", w, (*FLOATS, FP8))
+        finite(key + "weight", w)
         block, tensor = weights.get(key + "weight_scale_inv"), weights.get(key + "weight_scale")
         if w.dtype != FP8:
             for name, s in (("weight_scale_inv", block), ("weight_scale", tensor)):
@@ -411,7 +420,7 @@ class MoELayer(nn.Module):
         expected = (_blocks(shape[0]), _blocks(shape[1])) if block is not None else None
         if (expected is not None and tuple(s.shape) != expected) or (expected is None and s.numel() != 1):
             raise ValueError(f"{name} must have shape {expected or '() (one value)'}, got {tuple(s.shape)}")
-        s = s.float()
+        s = finite(name, s.float())
         return (w, s, None) if block is not None else (w, None, s.reshape(()))
 
     @staticmethod
@@ -423,7 +432,15 @@ class MoELayer(nn.Module):
         _checks.dtype_in(name, s, FLOATS)
         if s.numel() != 1:
             raise ValueError(f"{name} must hold one value, got shape {tuple(s.shape)}")
-        return s.detach().float().reshape(()).cpu()
+        return finite(name, s.detach().float().reshape(()).cpu())
+
+
+def finite(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``, checked once at load time to hold no inf or NaN (FP8 NaN codes included)."""
+    bad = ~torch.isfinite(t.detach().float() if t.element_size() == 1 else t.detach())
+    if bool(bad.any()):
+        raise ValueError(f"{name} must hold finite values, got {int(bad.sum())} non-finite of {t.numel()}")
+    return t
 
 
 def _dense(w: torch.Tensor, block_scale: torch.Tensor | None, tensor_scale: torch.Tensor | None) -> torch.Tensor:

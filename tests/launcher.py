@@ -23,6 +23,9 @@ def _entry(rank, world_size, backend, port, fn, args, results):
     import torch.distributed as dist
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    # One thread per rank: several ranks share a few cores, and idle OpenMP threads spinning in each would
+    # starve the rank that a collective waits for.
+    torch.set_num_threads(1)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
