@@ -108,8 +108,11 @@ def route(
         shifted = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
         scores = shifted / shifted.sum(dim=-1, keepdim=True)
     elif scoring_func == "sigmoid":
-        # Spelled out (not torch.sigmoid) so that on a GPU the bits equal the kernel's 1 / (1 + exp(-x)).
-        scores = 1.0 / (1.0 + torch.exp(-logits))
+        # (x >= 0 ? 1 : e) / (1 + e) with e = exp(-|x|): for x < 0 it is exp(x) / (1 + exp(x)), which does not
+        # underflow to 0 before exp(x) does (x < -103), where 1 / (1 + exp(-x)) is 0 below -88.7. Spelled out
+        # (not torch.sigmoid) so that on a GPU the bits equal the kernel's same expression.
+        e = torch.exp(-logits.abs())
+        scores = torch.where(logits >= 0, torch.ones_like(e), e) / (1.0 + e)
     else:
         raise ValueError(f"scoring_func must be 'softmax' or 'sigmoid', got {scoring_func!r}")
 
@@ -134,7 +137,11 @@ def route(
     ids = stable_topk_indices(keys, top_k, allowed)  # [T, k]
     weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        total = weights.sum(dim=-1, keepdim=True)  # [T, 1]
+        if scoring_func == "sigmoid":
+            # w / (sum + 1e-20), as DeepSeek-V3 and SGLang: k scores that all underflow give 0, not 0 / 0.
+            total = total + 1e-20
+        weights = weights / total
     if routed_scaling_factor is not None:
         weights = weights * routed_scaling_factor
     return weights.float(), ids.to(torch.int32)

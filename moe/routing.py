@@ -104,16 +104,19 @@ def route(
     highest-scoring experts are chosen; with it, experts are chosen on ``score + bias`` but weighted by the
     unbiased score (DeepSeek-V3, Kimi-K2). With groups, each group is scored by its best score (no bias)
     or by the sum of its two best biased scores, only the ``topk_group`` best groups stay eligible, and the
-    k experts are chosen among theirs. ``renormalize`` divides the k weights by their sum, then
-    ``routed_scaling_factor`` multiplies them. Columns come in descending selection order; ties go to the
-    lower expert (and group) index. Llama4 routing is ``scoring_func="sigmoid", renormalize=False``.
-    NaN logits give unspecified ids.
+    k experts are chosen among theirs. ``renormalize`` divides the k weights by their sum: sigmoid weights
+    as ``w / (sum + 1e-20)`` (DeepSeek-V3's and SGLang's formula, so a token whose k scores all underflow to
+    0 gets zero weights, not NaN), softmax weights as ``w / sum`` (SGLang's softmax top-k); then
+    ``routed_scaling_factor`` multiplies them. The sigmoid is computed without premature underflow
+    (``exp(x) / (1 + exp(x))`` for x < 0): finite or +-inf logits give finite sigmoid weights. Columns
+    come in descending selection order; ties go to the lower expert (and group) index. Llama4 routing is
+    ``scoring_func="sigmoid", renormalize=False``. NaN logits give unspecified ids.
 
     Args:
         router_logits: `[T, E]` float32, float16 or bfloat16; rows may be strided, columns must be dense.
         top_k: experts per token, 1 <= k <= min(E, 32).
         scoring_func: ``"softmax"`` or ``"sigmoid"``.
-        renormalize: divide the k weights by their sum.
+        renormalize: divide the k weights by their sum (sigmoid: by their sum + 1e-20).
         num_expert_group: ``G``, groups of E/G consecutive experts (1 <= G <= 32, E % G == 0); None: no groups.
         topk_group: groups kept, 1 <= topk_group <= G; required with ``num_expert_group``.
         correction_bias: `[E]` float tensor on the logits' device, added for selection only.
@@ -164,7 +167,7 @@ def route(
 
     scale = 1.0
     if routed_scaling_factor is not None:
-        scale = _checks.finite_float("routed_scaling_factor", routed_scaling_factor)
+        scale = _checks.positive_float("routed_scaling_factor", routed_scaling_factor)
 
     if out is None:
         weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)  # [T, k]

@@ -1,13 +1,14 @@
 """GPU tier for routing (pytest -m gpu): the fused kernel against the reference run on the same device.
 
-The reference runs on the GPU too, so that the sigmoid scores (spelled 1 / (1 + exp(-x)) in both) are the
-same bits and the biased selection keys compare exactly; ids must then match exactly and weights within
-1e-6 relative.
+The reference runs on the GPU too, so that the sigmoid scores (spelled (x >= 0 ? 1 : e) / (1 + e) with
+e = exp(-|x|) in both) are the same bits and the biased selection keys compare exactly; ids must then match
+exactly and weights within 1e-6 relative (the k-term sums are added in different orders).
 """
 
 import pytest
 import torch
-from model_configs import MODEL_ROUTING, model_inputs
+from model_configs import BIASED_MODELS, MODEL_ROUTING, model_inputs
+from test_route_reference import _assert_sglang_weights, extreme_logits
 
 import flashinfer_moe
 from flashinfer_moe import reference
@@ -116,3 +117,51 @@ def test_torch_compile(generator):
 def test_bias_on_other_device_is_rejected():
     with pytest.raises(ValueError, match="correction_bias must be on the same device"):
         flashinfer_moe.route(torch.randn(2, 8, device="cuda"), 2, correction_bias=torch.zeros(8))
+
+
+def _extreme_inputs(num_tokens, num_experts, dtype, generator):
+    """Logits from 0 down to -1e4 (see extreme_logits), with a few +-inf entries and the first rows all
+    -inf, all +inf and one +inf among -inf; on the GPU in ``dtype``, and the same values in fp32 on the CPU."""
+    logits = extreme_logits(num_tokens, num_experts, generator)
+    u = torch.rand(num_tokens, num_experts, generator=generator)
+    logits[u < 0.02] = -torch.inf
+    logits[u > 0.99] = torch.inf
+    logits[0], logits[1], logits[2] = -torch.inf, torch.inf, -torch.inf
+    logits[2, 3] = torch.inf
+    logits = logits.to(dtype)
+    return logits.cuda(), logits.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k2", "llama4"])
+def test_kernel_extremes_scores_bit_equal(name, dtype, rng):
+    # Without renormalisation the weights are the sigmoid scores times the scale: kernel and reference must
+    # give the same bits at every magnitude (and the same ids, which the biased keys score + bias decide).
+    seed, generator = rng
+    num_experts, top_k, kwargs = MODEL_ROUTING[name]
+    kwargs = dict(kwargs, renormalize=False)
+    if name in BIASED_MODELS:
+        kwargs["correction_bias"] = (torch.rand(num_experts, generator=generator) * 0.2 - 0.1).cuda()
+    logits, logits_cpu = _extreme_inputs(4099, num_experts, dtype, generator)
+    w, ids = flashinfer_moe.route(logits, top_k, out=_poisoned(4099, top_k), **kwargs)
+    w_ref, ids_ref = reference.route(logits, top_k, **kwargs)
+    _compare(w, ids, w_ref, ids_ref, seed)
+    assert torch.equal(w, w_ref), f"seed {seed}: sigmoid scores differ from the reference's bits"
+    _assert_sglang_weights(w.cpu(), logits_cpu, ids.cpu(), False, kwargs.get("routed_scaling_factor") or 1.0, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k2"])
+def test_kernel_extremes_renormalised(name, dtype, rng):
+    # DeepSeek-V3 / Kimi-K2 routing on logits down to -1e4 and +-inf: every weight finite, ids equal to the
+    # reference's, weights within 1e-6 of it and of SGLang's w / (sum + 1e-20) computed in float64.
+    seed, generator = rng
+    num_experts, top_k, kwargs = MODEL_ROUTING[name]
+    kwargs = dict(kwargs, correction_bias=(torch.rand(num_experts, generator=generator) * 0.2 - 0.1).cuda())
+    logits, logits_cpu = _extreme_inputs(4099, num_experts, dtype, generator)
+    w, ids = flashinfer_moe.route(logits, top_k, out=_poisoned(4099, top_k), **kwargs)
+    w_ref, ids_ref = reference.route(logits, top_k, **kwargs)
+    _compare(w, ids, w_ref, ids_ref, seed)
+    assert torch.isfinite(w).all(), f"seed {seed}"
+    assert w[0].eq(0).all(), f"seed {seed}: every expert at -inf must give zero weights, got {w[0].tolist()}"
+    _assert_sglang_weights(w.cpu(), logits_cpu, ids.cpu(), True, kwargs["routed_scaling_factor"], seed)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from model_configs import MODEL_ROUTING, model_inputs
+from model_configs import BIASED_MODELS, MODEL_ROUTING, model_inputs
 
 import flashinfer_moe
 from flashinfer_moe import reference
@@ -277,3 +277,129 @@ def test_bad_input(make, exc, message):
     with pytest.raises(exc) as info:
         flashinfer_moe.route(logits, top_k, **kwargs)
     assert message in str(info.value)
+
+
+# ---- Routing at the extremes: sigmoid scores that underflow, infinite logits -------------------------------
+
+DSV3_E, DSV3_K, DSV3_KWARGS = MODEL_ROUTING["deepseek_v3"]
+
+
+def _sglang_weights(logits, ids, renormalize, scale):
+    """SGLang's (and DeepSeek-V3's) sigmoid weights in float64: sig[ids] / (sum + 1e-20) * scale."""
+    sig = torch.sigmoid(logits.double()).gather(1, ids.long())
+    if renormalize:
+        sig = sig / (sig.sum(dim=-1, keepdim=True) + 1e-20)
+    return sig * scale
+
+
+def _assert_sglang_weights(w, logits, ids, renormalize, scale, seed):
+    """Finite, and within 1e-6 relative of the float64 formula. The absolute slack covers scores that are
+    fp32 subnormals (logits in [-104, -87]) or 0 (below -104): 16 subnormal ulps (2**-145) of a score,
+    divided by the 1e-20 that then dominates the denominator, about 6e-24 of weight."""
+    assert torch.isfinite(w).all(), f"seed {seed}: non-finite weights at rows {(~torch.isfinite(w)).any(1).nonzero()}"
+    ref = _sglang_weights(logits, ids, renormalize, scale)
+    atol = abs(scale) * 2.0**-145 / (1e-20 if renormalize else 1.0)
+    err = (w.double() - ref).abs() - 1e-6 * ref.abs()
+    row, col = divmod(err.argmax().item(), w.shape[1])
+    assert (err <= atol).all(), (
+        f"seed {seed}: token {row}, weight {w[row, col].item()!r} vs SGLang's {ref[row, col].item()!r}; "
+        f"the logits of its experts {logits[row].float().gather(0, ids[row].long()).tolist()}"
+    )
+
+
+def extreme_logits(num_tokens, num_experts, generator):
+    """`[T, E]` fp32 logits from 0 down to -1e4: each token's logits lie in [-1.05 m, -m], its magnitude m
+    log-uniform in [1e-2, 1e4] (so whole tokens sit in [-1e4, -30], around -36 where the 1e-20 starts to
+    matter, -88 where 1 / (1 + exp(-x)) underflows, -104 where exp(x) does); a quarter of the tokens spread
+    uniformly over [-1e4, 0] instead, and the last tokens are all -1e4, all -30 and all -100."""
+    mag = torch.pow(10.0, torch.rand(num_tokens, 1, generator=generator) * 6 - 2)
+    logits = -mag * (1 + 0.05 * torch.rand(num_tokens, num_experts, generator=generator))
+    spread = num_tokens // 4
+    logits[:spread] = -torch.rand(spread, num_experts, generator=generator) * 1e4
+    logits[-3:] = torch.tensor([[-1e4], [-30.0], [-100.0]])
+    return logits
+
+
+def test_sigmoid_underflow_hand_checked():
+    # sigmoid(-80) ~ 1.8e-35, sigmoid(-81) ~ 6.6e-36 (normal floats): their sum is far below 1e-20, so the
+    # weights are about sig * 1e20, not the 0.73 / 0.27 of a plain w / sum.
+    def expected(a, b):
+        s0, s1 = math.exp(a), math.exp(b)  # sigmoid(x) = exp(x) / (1 + exp(x)) ~ exp(x) here
+        return torch.tensor([[s0 / (s0 + s1 + 1e-20), s1 / (s0 + s1 + 1e-20)]])
+
+    logits = torch.tensor([[-81.0, -80.0, -200.0, -1e4]])
+    w, ids = reference.route(logits, 2, scoring_func="sigmoid", renormalize=True)
+    assert ids.tolist() == [[1, 0]]
+    torch.testing.assert_close(w, expected(-80.0, -81.0), rtol=1e-6, atol=0)
+    # below -88.7, 1 / (1 + exp(-x)) is 0 and a plain w / sum 0 / 0; exp(x) / (1 + exp(x)) is a subnormal
+    # float here (relative precision ~2e-5 at these magnitudes)
+    w, ids = reference.route(torch.tensor([[-93.0, -200.0, -92.0]]), 2, scoring_func="sigmoid")
+    assert ids.tolist() == [[2, 0]]
+    torch.testing.assert_close(w, expected(-92.0, -93.0), rtol=5e-5, atol=0)
+    # all four scores 0 in fp32 (below -104): weights 0 / (0 + 1e-20) = 0, as SGLang's
+    w, ids = reference.route(torch.tensor([[-1e4, -500.0, -105.0, -3e3]]), 2, scoring_func="sigmoid")
+    assert ids.tolist() == [[2, 1]] and w.tolist() == [[0.0, 0.0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sigmoid_extremes_match_sglang_formula(dtype, rng):
+    seed, generator = rng
+    num_tokens = 515
+    logits = extreme_logits(num_tokens, DSV3_E, generator).to(dtype)
+    bias = torch.rand(DSV3_E, generator=generator) * 0.2 - 0.1
+    kwargs = dict(DSV3_KWARGS, correction_bias=bias)
+    w, ids = flashinfer_moe.route(logits, DSV3_K, **kwargs)
+    w_ref, ids_ref = reference.route(logits, DSV3_K, **kwargs)
+    assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref), f"seed {seed}"
+    assert ((ids >= 0) & (ids < DSV3_E)).all() and all(len(set(r)) == DSV3_K for r in ids.tolist())
+    _assert_sglang_weights(w, logits, ids, True, kwargs["routed_scaling_factor"], seed)
+    # tokens all at -1e4: every score is 0 (exp(-1e4) is 0 in fp32, and in float64), so every weight is 0
+    assert w[-3].eq(0).all(), f"seed {seed}: {w[-3].tolist()}"
+    # Llama4-style (no renormalisation): the weights are the scores themselves
+    w, ids = flashinfer_moe.route(logits, 4, scoring_func="sigmoid", renormalize=False)
+    _assert_sglang_weights(w, logits, ids, False, 1.0, seed)
+
+
+@pytest.mark.parametrize(
+    "name, renormalize", [("deepseek_v3", True), ("kimi_k2", True), ("llama4", False), ("deepseek_v3", False)]
+)
+def test_sigmoid_infinite_logits(name, renormalize, rng):
+    seed, generator = rng
+    num_experts, top_k, kwargs = MODEL_ROUTING[name]
+    kwargs = dict(kwargs, renormalize=renormalize)
+    if name in BIASED_MODELS:
+        kwargs["correction_bias"] = torch.rand(num_experts, generator=generator) * 0.2 - 0.1
+    num_tokens = 64
+    logits = extreme_logits(num_tokens, num_experts, generator)
+    u = torch.rand(num_tokens, num_experts, generator=generator)
+    logits[u < 0.3] = -torch.inf  # masked experts
+    logits[u > 0.97] = torch.inf
+    logits[0] = -torch.inf  # a token with every expert masked
+    logits[1] = torch.inf
+    logits[2, :] = -torch.inf
+    logits[2, 5] = torch.inf  # one expert left, at +inf
+    w, ids = flashinfer_moe.route(logits, top_k, **kwargs)
+    w_ref, ids_ref = reference.route(logits, top_k, **kwargs)
+    assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref), f"seed {seed}"
+    assert all(len(set(r)) == top_k for r in ids.tolist())
+    scale = kwargs.get("routed_scaling_factor") or 1.0
+    _assert_sglang_weights(w, logits, ids, renormalize, scale, seed)
+    assert w[0].eq(0).all()  # sigmoid(-inf) = 0 exactly, and 0 / (0 + 1e-20) = 0
+    one = scale / (top_k + 1e-20) if renormalize else scale  # every score 1
+    torch.testing.assert_close(w[1], torch.full((top_k,), one), rtol=1e-6, atol=0)
+    if "correction_bias" not in kwargs:  # without a bias the +inf expert is chosen first
+        assert ids[2, 0].item() == 5 and w[2, 0].item() == pytest.approx(scale)
+
+
+def test_softmax_renormalises_with_plain_sum_and_masked_experts(rng):
+    # SGLang's softmax top-k renormalises with w / sum (no 1e-20); the top logit's softmax is >= 1/E, so
+    # the sum is never 0 for finite logits. Masked (-inf) experts get 0 and never a NaN.
+    seed, generator = rng
+    logits = torch.randn(33, 128, generator=generator) * 4
+    logits[torch.rand(33, 128, generator=generator) < 0.5] = -torch.inf
+    logits[:, 7] = 1.0  # at least one finite expert per token
+    logits[0, 8:] = -torch.inf  # a token with fewer finite experts than k
+    w, ids = flashinfer_moe.route(logits, 8, scoring_func="softmax", renormalize=True)
+    assert torch.isfinite(w).all(), f"seed {seed}"
+    p = torch.softmax(logits.double(), dim=-1).gather(1, ids.long())
+    torch.testing.assert_close(w.double(), p / p.sum(-1, keepdim=True), rtol=1e-6, atol=1e-30)

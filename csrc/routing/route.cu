@@ -19,8 +19,9 @@ namespace routing {
 
 constexpr int kWarpsPerBlock = 4;
 constexpr int kThreads = kWarpsPerBlock * 32;
-constexpr int kMaxGroups = 32;  // one group per lane during group selection
-constexpr int kMaxTopK = 32;    // one output column per lane
+constexpr int kMaxGroups = 32;            // one group per lane during group selection
+constexpr int kMaxTopK = 32;              // one output column per lane
+constexpr float kRenormEpsilon = 1e-20f;  // sigmoid renormalisation: w / (sum + 1e-20)
 
 struct RouteParams {
   const void* logits;  // [T, E], row stride `row_stride` elements, unit column stride
@@ -47,9 +48,10 @@ __device__ __forceinline__ uint32_t warp_argmax(uint32_t key, uint32_t index, ui
   return __reduce_min_sync(kFullMask, key == kmax ? index : UINT_MAX);
 }
 
-// Loads this lane's VPL consecutive logits as fp32, with the widest vector loads the row's alignment allows.
+// Loads this lane's VPL consecutive logits as fp32, with the widest vector loads the row's alignment allows;
+// experts past the last one read as `pad`.
 template <typename T, int VPL>
-__device__ __forceinline__ void load_logits(const T* row, int lane, int num_experts, float (&out)[VPL]) {
+__device__ __forceinline__ void load_logits(const T* row, int lane, int num_experts, float pad, float (&out)[VPL]) {
   constexpr int kBytes = VPL * static_cast<int>(sizeof(T));
   constexpr int kVec = kBytes % 16 == 0 ? 16 : kBytes % 8 == 0 ? 8 : kBytes % 4 == 0 ? 4 : 2;
   using Vec = typename std::conditional<
@@ -67,7 +69,7 @@ __device__ __forceinline__ void load_logits(const T* row, int lane, int num_expe
     for (int i = 0; i < VPL; ++i) out[i] = to_float(vals[i]);
   } else {
 #pragma unroll
-    for (int i = 0; i < VPL; ++i) out[i] = lane * VPL + i < num_experts ? to_float(src[i]) : -INFINITY;
+    for (int i = 0; i < VPL; ++i) out[i] = lane * VPL + i < num_experts ? to_float(src[i]) : pad;
   }
 }
 
@@ -96,13 +98,24 @@ __global__ void __launch_bounds__(kThreads) route_kernel(const RouteParams p) {
     for (int i = 0; i < VPL; ++i) bias[i] = base + i < E ? p.bias[base + i] : 0.0f;
   }
   float key[VPL];  // the logits for now
-  load_logits<T, VPL>(static_cast<const T*>(p.logits) + t * p.row_stride, lane, E, key);
+  // Padding experts (never selectable): -inf keeps them out of the softmax's max. For the sigmoid, 0: a
+  // score of 0 (from -inf) sends __fdiv_rn down its slow path, which cost Llama4 (16 experts, half the warp
+  // padding) 10% at 64K tokens on an H100.
+  load_logits<T, VPL>(static_cast<const T*>(p.logits) + t * p.row_stride, lane, E, p.use_sigmoid ? 0.0f : -INFINITY,
+                      key);
 
   float score[VPL];
   if (p.use_sigmoid) {
-    // __frcp_rn(x) is the correctly rounded 1/x, the same bits as 1.0f / x, which the reference computes.
+    // sigmoid(x) = (x >= 0 ? 1 : e) / (1 + e) with e = exp(-|x|). For x < 0 that is exp(x) / (1 + exp(x)),
+    // a normal float down to x = -87 and a subnormal one down to -103 (1 / (1 + exp(-x)) is already 0 below
+    // -88.7, where exp(-x) overflows); -inf gives exactly 0, +inf exactly 1. No branch, and __fdiv_rn is the
+    // correctly rounded `/` whatever the flags: the reference spells out the same expression, so on a GPU
+    // the scores are the same bits.
 #pragma unroll
-    for (int i = 0; i < VPL; ++i) score[i] = __frcp_rn(1.0f + expf(-key[i]));
+    for (int i = 0; i < VPL; ++i) {
+      const float e = expf(-fabsf(key[i]));
+      score[i] = __fdiv_rn(key[i] >= 0.0f ? 1.0f : e, 1.0f + e);
+    }
   } else {
     float m = -INFINITY;
 #pragma unroll
@@ -216,8 +229,12 @@ __global__ void __launch_bounds__(kThreads) route_kernel(const RouteParams p) {
   }
 
   if (p.renormalize) {
-    const float sum = warp_sum(lane < p.top_k ? my_weight : 0.0f);
-    my_weight = my_weight / sum;
+    // Sigmoid weights: w / (sum + 1e-20), as DeepSeek-V3 and SGLang do, so that a token whose k scores are
+    // all 0 (logits below about -104) gets zero weights, not 0 / 0. Softmax weights: w / sum, as SGLang's
+    // softmax top-k; the softmax of the top logit is at least 1/E, so that sum is never 0 without a bias.
+    float sum = warp_sum(lane < p.top_k ? my_weight : 0.0f);
+    if (p.use_sigmoid) sum += kRenormEpsilon;
+    my_weight = __fdiv_rn(my_weight, sum);
   }
   my_weight = my_weight * p.scale;
   if (lane < p.top_k) {
