@@ -252,7 +252,17 @@ BAD_INPUTS = [
     (
         lambda: dict(router_logits=torch.randn(2, 8), top_k=2, routed_scaling_factor=float("inf")),
         ValueError,
-        "routed_scaling_factor must be finite",
+        "routed_scaling_factor must be a positive finite number",
+    ),
+    (
+        lambda: dict(router_logits=torch.randn(2, 8), top_k=2, routed_scaling_factor=0.0),
+        ValueError,
+        "routed_scaling_factor must be a positive finite number, got 0.0",
+    ),
+    (
+        lambda: dict(router_logits=torch.randn(2, 8), top_k=2, routed_scaling_factor=-2.5),
+        ValueError,
+        "routed_scaling_factor must be a positive finite number, got -2.5",
     ),
     (
         lambda: dict(router_logits=torch.randn(2, 8), top_k=2, out=(torch.empty(2, 2), torch.empty(2, 2))),
