@@ -465,13 +465,17 @@ __global__ void __launch_bounds__(kThreads)
     const int slot_hi = lane + 32 < world ? send_slot[t * world + lane + 32] : -1;
     int64_t begin, end;
     split(width, static_cast<int>(unit % parts), parts, &begin, &end);
-    for (int64_t c = begin + lane; c < end; c += 32) {
+    // The whole warp walks the columns together (lanes past the end idle), so that every lane takes part in
+    // the slot shuffles below: a part narrower than 32 columns would otherwise leave lanes out of them.
+    for (int64_t c0 = begin; c0 < end; c0 += 32) {
+      const int64_t c = c0 + lane;
+      const bool live = c < end;
       float acc[kVec];
 #pragma unroll
       for (int n = 0; n < kVec; ++n) acc[n] = 0.f;
       for (int d = 0; d < world; ++d) {
         const int slot = __shfl_sync(~0u, d < 32 ? slot_lo : slot_hi, d & 31);
-        if (slot < 0) continue;
+        if (slot < 0 || !live) continue;
         const char* row = region + d * rank_stride + static_cast<int64_t>(slot) * p.combine_stride;
         if (vec) {
           const int4 raw = reinterpret_cast<const int4*>(row)[c];
@@ -482,6 +486,7 @@ __global__ void __launch_bounds__(kThreads)
           acc[0] += to_float(reinterpret_cast<const T*>(row)[c]);
         }
       }
+      if (!live) continue;
       if (vec) {
         int4 raw;
         T* v = reinterpret_cast<T*>(&raw);
