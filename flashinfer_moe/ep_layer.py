@@ -16,7 +16,6 @@ Dimension legend: ``T`` tokens on this rank, ``E`` experts, ``W`` ranks, ``k`` t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 
 import torch
@@ -27,6 +26,7 @@ from . import _checks
 from .checkpoint import SafetensorsMapping
 from .comm.agreement import validate_collectively
 from .comm.alltoall import MoEAllToAll
+from .graphs import ShapeGraphs
 from .layer import BLOCK, QUANTS, MoELayer, finite
 from .moe import gemm
 from .moe.fused import fused_moe
@@ -34,6 +34,7 @@ from .moe.layout import moe_align_contiguous
 from .moe.permute import combine, permute, permute_fp8_per_token_group
 from .moe.quant import FLOATS, FP8, quantize_fp8_per_token_group
 from .moe.routing import route
+from .phases import PhaseClock
 
 __all__ = ["EPMoELayer"]
 
@@ -81,6 +82,9 @@ class EPMoELayer(nn.Module):
         device: where the parameters live; default the current CUDA device where there is one, else CPU.
         timeout_s: bound of every wait of the all-to-all (default ``FLASHINFER_MOE_A2A_TIMEOUT_S``): a rank
             that does not arrive makes the others raise ``CommTimeoutError`` naming it.
+        cuda_graphs: on a GPU, eager low-latency calls replay a CUDA graph captured on the first call of each
+            token count (8 kept at most; with the P2P all-to-all or one rank), which takes their host cost from
+            a dozen launches to one. Calls inside a caller's own capture run as they are.
 
     Attributes:
         rank, world_size, experts_per_rank, first_expert: this rank's place; its experts are
@@ -118,6 +122,7 @@ class EPMoELayer(nn.Module):
         params_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
         timeout_s: float | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -135,7 +140,7 @@ class EPMoELayer(nn.Module):
             correction_bias=correction_bias, routed_scaling_factor=routed_scaling_factor,
             num_shared_experts=num_shared_experts, shared_intermediate_size=shared_intermediate_size,
             activation=activation, alpha=alpha, limit=limit, params_dtype=params_dtype, device_type=device.type,
-            timeout_s=timeout_s,
+            timeout_s=timeout_s, cuda_graphs=cuda_graphs,
         )  # fmt: skip
 
         def check():
@@ -203,6 +208,9 @@ class EPMoELayer(nn.Module):
             )  # fmt: skip
         self._build_comms(backend, timeout_s)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and self.shared is not None else None
+        self._graphs = None
+        if cuda_graphs and device.type == "cuda" and self.backend in ("p2p", "local"):
+            self._graphs = ShapeGraphs(lambda x, logits: self._forward(x, logits, "low_latency"))
         self._shared_ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _build_comms(self, backend: str, timeout_s: float | None) -> None:
@@ -269,7 +277,18 @@ class EPMoELayer(nn.Module):
             which = "low_latency_max_tokens" if mode == "low_latency" else "max_tokens_per_rank"
             raise ValueError(f"hidden_states must have at most {which} = {bound} tokens in {mode} mode, "
                              f"got {x.shape[0]}")  # fmt: skip
-        clock = _PhaseClock(phase_times, x.device)
+        if (
+            phase_times is None
+            and self._graphs is not None
+            and mode == "low_latency"
+            and x.shape[0]
+            and not _capturing()
+        ):
+            return self._graphs(x, logits)
+        return self._forward(x, logits, mode, phase_times)
+
+    def _forward(self, x, logits, mode: str, phase_times: dict | None = None) -> torch.Tensor:
+        clock = PhaseClock(phase_times, x.device)
         with clock("route"):
             if logits is None:
                 # fp32 logits: near-ties between experts are common and bf16 would decide them by rounding.
@@ -279,24 +298,29 @@ class EPMoELayer(nn.Module):
                 num_expert_group=self.num_expert_group, topk_group=self.topk_group,
                 correction_bias=self.correction_bias,
             )  # fmt: skip  # [T, k] fp32, [T, k] int32 global ids
+        comm = self._comms[mode]
+        if comm is None:
+            # One rank: nothing travels for the shared experts to overlap, so they run first and enter the
+            # routed sum as combine's residual (one fp32 rounding, no extra pass).
+            shared = None
+            if self.shared is not None:
+                with clock("shared"):
+                    shared = self._shared_mlp(x)
+            with clock("experts"):
+                return self._experts_local(x, weights, ids, shared).to(x.dtype)
         shared = None
         if self.shared is not None and phase_times is None:
             shared = self._shared_async(x)
-        comm = self._comms[mode]
-        if comm is None:
-            with clock("experts"):
-                routed = self._experts_local(x, weights, ids)
-        else:
-            with clock("dispatch"):
-                if self.quant is not None:
-                    rows, scales = quantize_fp8_per_token_group(x, BLOCK)  # [T, H], [T, H / 128]
-                else:
-                    rows, scales = x.to(self.params_dtype), None
-                got = comm.dispatch(rows, ids, weights, scales=scales)
-            with clock("experts"):
-                y = self._experts_received(got, mode)  # [R, H], each received row's sum over local experts
-            with clock("combine"):
-                routed = comm.combine(y, got.handle)  # [T, H]
+        with clock("dispatch"):
+            if self.quant is not None:
+                rows, scales = quantize_fp8_per_token_group(x, BLOCK)  # [T, H], [T, H / 128]
+            else:
+                rows, scales = x.to(self.params_dtype), None
+            got = comm.dispatch(rows, ids, weights, scales=scales)
+        with clock("experts"):
+            y = self._experts_received(got, mode)  # [R, H], each received row's sum over local experts
+        with clock("combine"):
+            routed = comm.combine(y, got.handle)  # [T, H]
         if self.shared is not None:
             with clock("shared"):
                 shared = self._shared_join(x, shared)
@@ -357,7 +381,7 @@ class EPMoELayer(nn.Module):
         return combine(y, got.topk_weights, layout, routed_scaling_factor=self.routed_scaling_factor,
                        out_dtype=self.params_dtype)  # fmt: skip
 
-    def _experts_local(self, x, weights, ids) -> torch.Tensor:
+    def _experts_local(self, x, weights, ids, residual) -> torch.Tensor:
         """One rank: the experts run on the rank's own tokens, with the permute fused with quantization, in the
         contiguous layout in both modes (its size depends on the shapes only, so it is capturable too, and at
         decode sizes it measured faster than the masked layout)."""
@@ -367,7 +391,7 @@ class EPMoELayer(nn.Module):
         else:
             a, a_scale = permute_fp8_per_token_group(x, layout)
         y = self._gemms(a, a_scale, layout, False)
-        return combine(y, weights, layout, routed_scaling_factor=self.routed_scaling_factor,
+        return combine(y, weights, layout, routed_scaling_factor=self.routed_scaling_factor, residual=residual,
                        out_dtype=self.params_dtype)  # fmt: skip
 
     # ------------------------------------------------------------------------------------ shared experts
@@ -440,6 +464,15 @@ class EPMoELayer(nn.Module):
                 self._load_router(weights, prefix)
 
         validate_collectively(self.group, "EPMoELayer.load_expert_weights", {"prefix": prefix}, load)
+        self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        if self._graphs is not None:
+            self._graphs.clear()
+
+    def _apply(self, fn, recurse=True):
+        self._drop_graphs()  # .to() and the like move the parameters the graphs read
+        return super()._apply(fn, recurse)
 
     def _load_router(self, weights: Mapping[str, torch.Tensor], prefix: str) -> None:
         name = f"{prefix}gate.weight"
@@ -473,36 +506,11 @@ class EPMoELayer(nn.Module):
         """Packs the local experts' FP8 block weights for the Hopper decode kernel
         (:meth:`MoELayer.pack_weights`)."""
         self.experts.pack_weights()
+        self._drop_graphs()
 
     def close(self) -> None:
         """Releases the all-to-all (idempotent). Call it on every rank at the same point."""
+        self._drop_graphs()
         for comm in self._comms.values():
             if comm is not None:
                 comm.close()
-
-
-class _PhaseClock:
-    """Times the phases of one forward into a dict (seconds), synchronizing the device around each; a no-op
-    without a dict."""
-
-    def __init__(self, times: dict | None, device: torch.device):
-        self.times, self.device = times, device
-        self.name = None
-
-    def __call__(self, name: str):
-        self.name = name
-        return self
-
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def __enter__(self):
-        if self.times is not None:
-            self._sync()
-            self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.times is not None and exc[0] is None:
-            self._sync()
-            self.times[self.name] = self.times.get(self.name, 0.0) + time.perf_counter() - self.start

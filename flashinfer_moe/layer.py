@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from . import _checks
+from .graphs import ShapeGraphs
 from .moe.fused import fused_moe
 from .moe.packed import ROWS, PackedFp8BlockWeights, pack_fp8_block_weights, repack_in_place
 from .moe.quant import FLOATS, FP8, quantize_fp8_block_weights, quantize_fp8_per_tensor
@@ -25,6 +26,11 @@ __all__ = ["MoELayer"]
 QUANTS = (None, "fp8_block", "fp8_tensor")
 BLOCK = 128
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+GRAPH_MAX_TOKENS = 256  # eager calls up to this size replay a graph (decode); larger ones are launch-bound no more
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and (torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling())
 
 
 def _blocks(n: int) -> int:
@@ -66,6 +72,10 @@ class MoELayer(nn.Module):
             ``limit`` positive and finite).
         params_dtype: dtype of the router weight, and of the expert weights without ``quant``.
         device: where the parameters live.
+        cuda_graphs: on a GPU, eager calls of up to 256 tokens replay a CUDA graph captured on the first call
+            of each token count (8 kept at most), which takes their host cost from a dozen launches to one;
+            :meth:`drop_graphs` forgets them (done by :meth:`pack_weights`, :meth:`unpack_weights` and by
+            moving the layer; the loaders write in place, which the graphs read). Calls inside a caller's own capture or ``torch.compile`` run as they are.
     """
 
     def __init__(
@@ -89,6 +99,7 @@ class MoELayer(nn.Module):
         limit: float = 7.0,
         params_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         super().__init__()
         self.num_experts = _checks.integer("num_experts", num_experts, 1)
@@ -132,6 +143,8 @@ class MoELayer(nn.Module):
         self.limit = _checks.positive_float("limit", limit)
         self.params_dtype = params_dtype
         self.weights_packed = False
+        self.cuda_graphs = bool(cuda_graphs)
+        self._graphs: ShapeGraphs | None = None
 
         def param(*shape, dtype):
             return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -199,16 +212,24 @@ class MoELayer(nn.Module):
         if router_logits is None:
             if self.router_weight is None:
                 raise ValueError("router_logits must be given for a layer built with router=False, got None")
-            # fp32 logits: near-ties between experts are common, and bf16 logits would decide them by rounding.
-            logits = x.float() @ self.router_weight.float().t()  # [T, E]
         else:
-            logits = _checks.tensor("router_logits", router_logits)
-            if tuple(logits.shape) != (x.shape[0], self.num_experts):
+            router_logits = _checks.tensor("router_logits", router_logits)
+            if tuple(router_logits.shape) != (x.shape[0], self.num_experts):
                 raise ValueError(
                     f"router_logits must have shape [T, E] = {(x.shape[0], self.num_experts)}, "
-                    f"got {tuple(logits.shape)}"
+                    f"got {tuple(router_logits.shape)}"
                 )
-            _checks.same_device("router_logits", logits, "hidden_states", x)
+            _checks.same_device("router_logits", router_logits, "hidden_states", x)
+        if self.cuda_graphs and x.is_cuda and 0 < x.shape[0] <= GRAPH_MAX_TOKENS and not _capturing():
+            if self._graphs is None:
+                self._graphs = ShapeGraphs(self._forward)
+            return self._graphs(x, router_logits)
+        return self._forward(x, router_logits)
+
+    def _forward(self, x: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+        if logits is None:
+            # fp32 logits: near-ties between experts are common, and bf16 logits would decide them by rounding.
+            logits = x.float() @ self.router_weight.float().t()  # [T, E]
         topk_weights, topk_ids = route(
             logits,
             self.top_k,
@@ -239,6 +260,15 @@ class MoELayer(nn.Module):
             # Route's ids are in [0, E) by construction: skip fused_moe's id check and its host sync.
             validate=False,
         )
+
+    def drop_graphs(self) -> None:
+        """Forgets the CUDA graphs of eager calls (they hold the weights' addresses and their own buffers)."""
+        if self._graphs is not None:
+            self._graphs.clear()
+
+    def _apply(self, fn, recurse=True):
+        self.drop_graphs()  # .to(), .cuda(): the parameters move, and the graphs would read the old memory
+        return super()._apply(fn, recurse)
 
     # ------------------------------------------------------------------------------------------- loading
 
@@ -287,6 +317,7 @@ class MoELayer(nn.Module):
                 setattr(self, name, nn.Parameter(data, requires_grad=False))
             raise
         self.weights_packed = pack
+        self.drop_graphs()
 
     @torch.no_grad()
     def load_router_weight(self, weight: torch.Tensor, correction_bias: torch.Tensor | None = None) -> None:

@@ -53,8 +53,9 @@ def _ranks_agree(rank: int, world: int, seed: int, backend: str, share: bool) ->
                 layer = build(None, quant, mode, device, weights, backend=backend, timeout_s=120)
                 assert layer.backend == (backend if world > 1 else "local"), (layer.backend, layer.fallback_reason)
                 tag = f"{quant} {'fp8 ckpt' if fp8 else 'bf16 ckpt'} {mode}"
-                for count in (LOW_LATENCY_TOKENS - 2 * rank, 0 if rank == 1 else 1):
-                    x = tokens(seed + count, rank, count, device)
+                # Each size twice on fresh tokens: in low-latency mode the second call replays a CUDA graph.
+                for count in (LOW_LATENCY_TOKENS - 2 * rank, 0 if rank == 1 else 1) * 2:
+                    x = tokens(seed + count + len(results), rank, count, device)
                     results.append((f"{tag} T={count}", relative_error(layer(x), ref(x)), TOLERANCE[quant]))
                 x = tokens(seed, rank, 13, device)
                 logits = skewed_logits(x, range(E - E // max(world, 1), E))  # every token to the last rank

@@ -490,3 +490,31 @@ def test_gpu_load_matches_cpu_load(quant, rng):
     x = torch.randn(16, hidden, generator=g).bfloat16().cuda()
     logits = x.float() @ gpu.router_weight.float().t()
     assert torch.equal(gpu(x), gpu(x, logits)), f"seed {seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "fp8_block"])
+def test_gpu_eager_graph_replays_match_plain_calls(quant, rng):
+    """Eager calls served by CUDA graphs (the first call of a size captures, later ones replay with fresh
+    inputs) give the bits of the same layer without graphs, also after pack_weights re-lays the weights."""
+    seed, g = rng
+    num_experts, top_k, hidden, inter = GPU_SHAPE
+    experts = hf_experts(g, num_experts, hidden, inter)
+    layers = []
+    for graphs in (True, False):
+        layer = make_layer("deepseek_v3", num_experts, top_k, hidden, inter, quant, g, device="cuda")
+        layer.cuda_graphs = graphs
+        layer.load_expert_weights(experts)
+        layers.append(layer)
+    layers[1].load_state_dict(layers[0].state_dict())  # the same router and bias too
+    for step in range(8):
+        if step == 5 and quant == "fp8_block":
+            for layer in layers:
+                layer.pack_weights()
+        count = (1, 7, 1, 7, 256, 7, 1, 300)[step]
+        x = torch.randn(count, hidden, generator=g).bfloat16().cuda()
+        logits = (torch.randn(count, num_experts, generator=g) * 2).cuda() if step % 2 else None
+        got, want = layers[0](x, logits), layers[1](x, logits)
+        assert torch.equal(got, want), f"seed {seed} step {step}: graph replay differs from the plain call"
+    # Sizes 1, 7 and 256 (1 and 7 again after packing dropped them); 300 runs without a graph.
+    assert len(layers[0]._graphs) == (2 if quant else 3), f"seed {seed}: {len(layers[0]._graphs)} graphs"
