@@ -269,14 +269,22 @@ class EPMoELayer(nn.Module):
 
         Returns:
             `[T, H]` in the dtype of ``hidden_states``.
+
+        Raises:
+            ValueError, TypeError: the arguments are refused. The rank still takes its part in the step's
+                exchanges with no tokens first, so that the other ranks complete the step rather than wait.
         """
-        x, logits = self._check_forward(hidden_states, router_logits)
-        mode = self._mode_for(x.shape[0])
-        bound = self.low_latency_max_tokens if mode == "low_latency" else self.max_tokens_per_rank
-        if x.shape[0] > bound:
-            which = "low_latency_max_tokens" if mode == "low_latency" else "max_tokens_per_rank"
-            raise ValueError(f"hidden_states must have at most {which} = {bound} tokens in {mode} mode, "
-                             f"got {x.shape[0]}")  # fmt: skip
+        try:
+            x, logits = self._check_forward(hidden_states, router_logits)
+            mode = self._mode_for(x.shape[0])
+            bound = self.low_latency_max_tokens if mode == "low_latency" else self.max_tokens_per_rank
+            if x.shape[0] > bound:
+                which = "low_latency_max_tokens" if mode == "low_latency" else "max_tokens_per_rank"
+                raise ValueError(f"hidden_states must have at most {which} = {bound} tokens in {mode} mode, "
+                                 f"got {x.shape[0]}")  # fmt: skip
+        except (ValueError, TypeError):
+            self._step_without_tokens(hidden_states)
+            raise
         if (
             phase_times is None
             and self._graphs is not None
@@ -326,6 +334,20 @@ class EPMoELayer(nn.Module):
                 shared = self._shared_join(x, shared)
             routed = routed + shared
         return routed.to(x.dtype)
+
+    def _step_without_tokens(self, hidden_states) -> None:
+        """A refused call still takes its part in the step's exchanges, with no tokens, in the mode the call
+        would have taken: the other ranks then finish the step (all their tokens computed, this rank's experts
+        included) instead of waiting for this rank until their timeout."""
+        if self.world_size == 1:
+            return
+        count = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() else 0
+        x = torch.empty(0, self.hidden_size, dtype=self.params_dtype, device=self.device)
+        logits = None if self.router_weight is not None else torch.empty(0, self.num_experts, device=self.device)
+        try:
+            self._forward(x, logits, self._mode_for(count))
+        except Exception:  # the refusal is what the caller must see; a failing exchange shows on the peers
+            pass
 
     def _check_forward(self, hidden_states, router_logits):
         x = _checks.tensor("hidden_states", hidden_states)

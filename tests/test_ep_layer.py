@@ -166,3 +166,33 @@ def _late_rank(rank: int, world: int) -> str:
 def test_ep_layer_times_out_naming_the_missing_rank():
     message = run_ranks(_late_rank, 2, timeout_s=120)[0]
     assert "rank(s) 1 did not arrive" in message, message
+
+
+def _one_rank_refused(rank: int, world: int, seed: int, mode: str) -> tuple[str, float, float]:
+    """Rank 1 passes too many tokens: it raises ValueError, the others get their own tokens' exact results
+    (the refused rank still served its experts), and every rank's next call is in step again."""
+    weights = checkpoint(seed)
+    layer = build(None, None, mode, "cpu", weights, backend="nccl", timeout_s=30)
+    ref = Reference(None, "cpu", weights)
+    bound = 24 if mode == "low_latency" else 48
+    x = tokens(seed, rank, bound + 1 if rank == 1 else 9, "cpu")
+    refused, first = "no error", 0.0
+    try:
+        first = relative_error(layer(x), ref(x))
+    except ValueError as exc:
+        refused = str(exc)
+    x = tokens(seed + 1, rank, 5, "cpu")
+    second = relative_error(layer(x), ref(x))
+    layer.close()
+    return refused, first, second
+
+
+@pytest.mark.parametrize("mode", ["high_throughput", "low_latency"])
+def test_ep_layer_refused_call_keeps_the_ranks_in_step(mode):
+    results = run_ranks(_one_rank_refused, 3, 11, mode, timeout_s=300)
+    for rank, (refused, first, second) in enumerate(results):
+        if rank == 1:
+            assert refused.startswith("hidden_states must have at most"), refused
+        else:
+            assert refused == "no error" and first < TOLERANCE[None], (rank, refused, first)
+        assert second < TOLERANCE[None], (rank, second)
