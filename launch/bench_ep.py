@@ -54,7 +54,7 @@ import torch.nn.functional as F  # noqa: E402
 from flashinfer_moe import EPMoELayer, MoELayer, fused_moe, route  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ep_common import PRESETS, RandomMoEWeights, generator, hf_prefix, init_distributed  # noqa: E402
+from ep_common import PRESETS, RandomMoEWeights, generator, hf_prefix, init_distributed, time_once  # noqa: E402
 from timing import capture_graph  # noqa: E402
 
 FP8, BLOCK = torch.float8_e4m3fn, 128
@@ -185,18 +185,7 @@ class Bench:
             self.sync()
             if collective:
                 dist.barrier()
-            if self.dev.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                us = start.elapsed_time(end) * 1e3
-            else:
-                t0 = time.perf_counter()
-                fn()
-                us = (time.perf_counter() - t0) * 1e6
-            samples.append(us)
+            samples.append(time_once(fn, self.dev) * 1e6)
         return statistics.median(samples[2:])
 
     def phases(self, layer, x) -> dict:

@@ -439,23 +439,27 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_once(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one eager call of ``fn``: CUDA events on a GPU (waited for), the wall clock on a CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def time_per_call(fn: Callable[[], object], env: DistEnv, reps: int) -> list[float]:
-    """Seconds of each of ``reps`` calls of ``fn`` (eager; all ranks start together; CUDA events on a GPU,
-    waited for), the slowest rank's per repeat. Collective."""
+    """Seconds of each of ``reps`` calls of ``fn`` (eager; all ranks start together), the slowest rank's per
+    repeat. Collective."""
     samples = []
     for _ in range(reps):
         dist.barrier(group=env.cpu_group)
-        if env.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
+        samples.append(time_once(fn, env.device))
     t = torch.tensor(samples, dtype=torch.float64)
     dist.all_reduce(t, dist.ReduceOp.MAX, group=env.cpu_group)
     return t.tolist()

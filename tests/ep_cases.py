@@ -5,20 +5,14 @@ layer under test, and the comparison."""
 from __future__ import annotations
 
 import torch
+from test_layer import ROUTING as ROUTINGS
 
 import flashinfer_moe
 from flashinfer_moe import EPMoELayer, MoELayer
 
 # DeepSeek-style routing at a size that runs on CPUs: 12 experts split over 1, 2, 3 or 4 ranks.
 E, K, H, I = 12, 4, 256, 128
-ROUTING = dict(
-    scoring_func="sigmoid",
-    renormalize=True,
-    num_expert_group=4,
-    topk_group=2,
-    correction_bias=True,
-    routed_scaling_factor=2.5,
-)
+ROUTING = ROUTINGS["deepseek_v3"]
 # Bound of the worst token's relative error per quant: bf16 rounding of the exchanged sums; FP8 block the same
 # quantized operands summed in another order; FP8 per tensor, activations quantized per 128 channels on the wire
 # where the single-process layer takes one scale for the whole batch (a token far below the batch's amax keeps
