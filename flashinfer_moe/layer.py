@@ -277,7 +277,7 @@ class MoELayer(nn.Module):
         """Re-lays ``w13`` and ``w2`` in place as :func:`flashinfer_moe.pack_fp8_block_weights` packs them
         (``w13`` with ``gated=True``): on Hopper the grouped GEMMs then stream each weight piece with one bulk
         copy, which measured 1-4% faster per layer up to T = 128 tokens and 2-4% slower at T = 4096
-        (docs/perf.md). Elsewhere the weights are unpacked per call, so pack for Hopper decode only.
+        (docs/perf-notes.md). Elsewhere the weights are unpacked per call, so pack for Hopper decode only.
 
         Call it once the weights are loaded (a no-op when they are packed already). Afterwards ``w13`` and ``w2``
         are new parameters of shape `[E, N / 256, K / 128, 256, 128]` over the same memory (one chunk of

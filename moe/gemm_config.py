@@ -52,7 +52,7 @@ def pick(
     fp8 = dtype == _FP8
     bk = 128 if fp8 else 64
     scaled_in_loop = fp8 and (a_mode == 3 or w_mode == 2)
-    # Measured on an H200 (docs/perf.md, "tile configs"): with scales applied inside the K loop, and with two
+    # Measured on an H200 (docs/perf-notes.md, "Triton kernel and its tile configs"): with scales applied inside the K loop, and with two
     # accumulators (fused activation), 64-row tiles win at every size; 128-row tiles spill or stall there.
     if act:
         cfg = _cfg(64, 128, bk, 8 if fp8 else 4, 4, 1)

@@ -160,7 +160,7 @@ def _gemm_cuda(
             return
         if gated and gemm_sm90.split_activation(rows, num_experts, cap):
             # GEMM1: the CUTLASS GEMM to bf16, then the activation (+ FP8) as its own pass; the extra bf16 round
-            # trip costs less than the Triton kernel's slower mainloop (docs/perf.md).
+            # trip costs less than the Triton kernel's slower mainloop (docs/perf-notes.md).
             from . import act_kernel
 
             gate_up = torch.empty(rows, nw, dtype=torch.bfloat16, device=a.device)  # [R, 2I]

@@ -4,7 +4,7 @@ Decode-sized GEMMs are bound by how fast the weights stream in. Our wgmma kernel
 of W (256 weight rows, one 128-deep K block: 32 KB) per pipeline stage; from the plain `[E, N, K]` layout that
 piece is 256 strided rows and takes the tensor TMA. Packed, the piece is 32 KB in a row, already in the
 128-byte-swizzled order the stage's shared memory needs, and one bulk copy moves it: on an H200 that streamed
-4-6% more weight bytes per second at 16 and 64 rows per expert, none at 128 (docs/perf.md). Where several row
+4-6% more weight bytes per second at 16 and 64 rows per expert, none at 128 (docs/perf-notes.md). Where several row
 tiles read each piece (prefill, T = 4096) packed weights measured 2-4% slower than plain ones: pack for decode.
 Packing is a one-time permutation of the bytes at load time; the scales are not touched.
 

@@ -262,11 +262,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             // The stage's W rows are 32 KB in a row, already in the swizzled order the shared memory needs (and,
             // with an activation, interleaved gate / up as below): one bulk copy moves them as they are. It
             // streamed 4-6% faster than the tensor TMA from the plain layout at decode sizes, and beat the
-            // tensor TMA over the packed bytes at prefill sizes (docs/perf.md).
+            // tensor TMA over the packed bytes at prefill sizes (docs/perf-notes.md).
             bulk_load(dst + S::kABytes, w_src + int64_t(kb) * S::kBBytes, S::kBBytes, &full[r.stage]);
           } else if constexpr (gated) {
             // One box for all four 64-row pieces: one instruction with a 256-row box streamed ~11% faster than
-            // four of 64 rows (docs/perf.md).
+            // four of 64 rows (docs/perf-notes.md).
             tma_load_4d(dst + S::kABytes, &tma_w, &full[r.stage], kb * kBlockK, w_row / 64);
           } else {
             tma_load(dst + S::kABytes, &tma_w, &full[r.stage], kb * kBlockK, w_row);
@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the tile's last kHold K blocks, which it keeps from the producer until the TMA has read them. The
     // release comes once the next tile's second block is issued (its first STAGES - kHold blocks load
     // meanwhile), so the stores overlap the next tile's mainloop instead of idling the tensor cores. Measured
-    // slower for the quarters and for the 64 x 128-per-warpgroup tiles (docs/perf.md), so those store in place.
+    // slower for the quarters and for the 64 x 128-per-warpgroup tiles (docs/perf-notes.md), so those store in place.
     static_assert(!ASYNC || SUB == 128, "the asynchronous epilogue is built for the halves variant only");
     constexpr int kRegion = 16 * 256 * 2;  // a warp's rows (store_tile_async)
     constexpr int kPerStage = S::kStageBytes / kRegion;
@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float fin[64], acc0[64], acc1[64];
   // Promotes the block held in stage `st` (its wgmma group complete) and hands the stage back. The stage goes back
   // before the promotion, once its scales are in registers: the next load starts that much sooner, which
-  // streamed decode-sized groups up to 4-7% faster (docs/perf.md). (The 128-row tiles, bound by the tensor
+  // streamed decode-sized groups up to 4-7% faster (docs/perf-notes.md). (The 128-row tiles, bound by the tensor
   // cores' clock under the board's power limit, measured slower with it and keep their late release.)
   auto finish = [&](float (&d)[64], int st) {
     const uint32_t sc = sc_base + st * S::kScaleFloats * 4;
@@ -626,7 +626,7 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
         limit, out_scale, out_kind, w_packed, sm_count, static_cast<cudaStream_t>(stream));                           \
   }
 
-// The asynchronous epilogue only where it measured faster (docs/perf.md): 128 x 256 in halves.
+// The asynchronous epilogue only where it measured faster (docs/perf-notes.md): 128 x 256 in halves.
 FIM_SM90_WGMMA_EXPORT(m128n128, 128, 128, 6, 128, false)
 FIM_SM90_WGMMA_EXPORT(m64n256, 64, 256, 5, 128, false)
 FIM_SM90_WGMMA_EXPORT(m128n256, 128, 256, 4, 128, true)
