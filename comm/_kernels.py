@@ -8,7 +8,8 @@ import ctypes
 from flashinfer_moe._ops import check_launch, kernel_library
 from flashinfer_moe.jit import KernelSpec, register
 
-SPEC = register(KernelSpec("comm", ("comm/workspace.cu", "comm/a2a.cu")))
+# sm_70: system-scope acquire/release (ld.acquire.sys, st.release.sys) and __nanosleep.
+SPEC = register(KernelSpec("comm", ("comm/workspace.cu", "comm/a2a.cu"), min_arch="70"))
 
 _vp, _int, _i64, _u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
 _pvp, _pi64, _pu64 = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_i64), ctypes.POINTER(_u64)

@@ -33,7 +33,8 @@ __all__ = [
     "pingpong_latency_us",
 ]
 
-SPEC = register(KernelSpec("probe", ("probe/p2p_probe.cu",)))
+# sm_70: system-scope acquire/release (ld.acquire.sys, st.release.sys) and __nanosleep.
+SPEC = register(KernelSpec("probe", ("probe/p2p_probe.cu",), min_arch="70"))
 
 _vp, _int, _u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
 _SIGNATURES = {

@@ -38,6 +38,11 @@ def _format_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _one_line(text: str) -> str:
+    """``text`` on one line: its lines joined with "; " (a field of ``env`` is one line, whatever reported it)."""
+    return "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     import torch
 
@@ -77,27 +82,50 @@ def cmd_env(args: argparse.Namespace) -> int:
     rows.append(("kernels", ", ".join(sorted(jit.REGISTRY))))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
-        print(f"{key:<{width}} : {value}")
+        print(f"{key:<{width}} : {_one_line(value)}")
     return 0
 
 
 def cmd_build(args: argparse.Namespace) -> int:
     jit = _load_kernel_registry()
 
-    arch = [a.strip() for a in args.arch.split(",")] if args.arch else jit.current_arch()
     names = args.kernel or sorted(jit.REGISTRY)
     unknown = [n for n in names if n not in jit.REGISTRY]
     if unknown:
         print(f"flashinfer-moe build: unknown kernel(s) {unknown}; known: {sorted(jit.REGISTRY)}", file=sys.stderr)
         return 2
+    if args.arch:
+        arch, where = [a.strip() for a in args.arch.split(",")], ""
+    else:
+        arch, where = jit.current_arch(), jit.core.arch_origin()
+    # Every family is checked against the targets before anything is compiled, so an unsupported GPU gets
+    # one clear message per family instead of a compiler error partway through.
+    plan, refused = [], []
     for name in names:
         spec = jit.REGISTRY[name]
         if spec.archs and not set(spec.archs) & set(arch) and not args.kernel:
             print(f"{name}: skipped (written for sm_{', sm_'.join(spec.archs)} only)")
             continue
+        try:
+            targets = jit.supported_archs(spec, arch, where)
+        except jit.UnsupportedArchError as exc:
+            refused.append(str(exc))
+            continue
+        for a in arch:
+            if a not in targets and not spec.archs:
+                print(f"{name}: not built for sm_{a} ({jit.arch_problem(spec, a)})")
+        plan.append((spec, targets))
+    if refused:
+        for message in refused:
+            print(f"flashinfer-moe build: {message}", file=sys.stderr)
+        others = " ".join(f"--kernel {spec.name}" for spec, _ in plan)
+        hint = f" (`{others}` builds the families that do support {', '.join(f'sm_{a}' for a in arch)})" if plan else ""
+        print(f"flashinfer-moe build: nothing was compiled{hint}", file=sys.stderr)
+        return 1
+    for spec, targets in plan:
         start = time.perf_counter()
-        path = jit.build(spec, arch)
-        print(f"{name}: {path} ({time.perf_counter() - start:.1f} s)")
+        path = jit.build(spec, targets, why=jit.core.BUILD_COMMAND)
+        print(f"{spec.name}: {path} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 
@@ -141,8 +169,19 @@ PROBE_EPILOG = """exit codes:
 def cmd_clear_cache(args: argparse.Namespace) -> int:
     from . import jit
 
+    root = jit.cache_root()
+    if not root.exists():
+        print(f"nothing to clear: the cache folder {root} does not exist (FLASHINFER_MOE_CACHE_DIR)")
+        return 0
+    if not root.is_dir():
+        print(f"flashinfer-moe clear-cache: {root} is not a folder (FLASHINFER_MOE_CACHE_DIR)", file=sys.stderr)
+        return 1
+    if not any(root.iterdir()):
+        print(f"nothing to clear: the cache folder {root} is empty")
+        return 0
+    builds, _ = jit.cache_size()
     freed = jit.clear_cache()
-    print(f"cleared {jit.cache_root()} ({_format_bytes(freed)} freed)")
+    print(f"cleared {root}: {builds} build(s), {_format_bytes(freed)} freed")
     return 0
 
 

@@ -101,3 +101,11 @@ class ExpertLayout:
     @property
     def device(self) -> torch.device:
         return self.row_of.device
+
+    def __repr__(self) -> str:
+        # Shapes only: printing the tensors would copy them to the host (a sync) and fill the screen.
+        size = f"capacity={self.capacity}" if self.kind == "masked" else f"block_rows={self.block_rows}"
+        return (
+            f"ExpertLayout(kind={self.kind!r}, E={self.num_experts}, T={self.num_tokens}, k={self.top_k}, "
+            f"rows={self.num_rows}, {size}, device={self.device})"
+        )

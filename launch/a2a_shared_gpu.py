@@ -264,9 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.multiprocessing as mp
 
-    if not torch.cuda.is_available():
-        print("FAIL setup: no CUDA GPU visible (torch.cuda.is_available() is False)")
-        return 2
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from timing import require_gpus
+
+    require_gpus(1)  # every rank on the same GPU
     if not 0 <= args.device < torch.cuda.device_count():
         parser.error(f"--device must be in 0..{torch.cuda.device_count() - 1}, got {args.device}")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")

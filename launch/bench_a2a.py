@@ -17,12 +17,19 @@ import argparse
 import json
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from flashinfer_moe import quantize_fp8_per_token_group
-from flashinfer_moe.comm import MoEAllToAll
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import require_gpus  # noqa: E402
+
+require_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # one GPU per rank on this machine
+
+from flashinfer_moe import quantize_fp8_per_token_group  # noqa: E402
+from flashinfer_moe.comm import MoEAllToAll  # noqa: E402
 
 NUM_EXPERTS, TOP_K, HIDDEN = 256, 8, 7168
 LOW_LATENCY_MAX = 512

@@ -37,10 +37,13 @@ from pathlib import Path
 
 import torch
 
-import flashinfer_moe as fm
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import time_eager, time_graph  # noqa: E402
+from timing import require_gpus, time_eager, time_graph  # noqa: E402
+
+if __name__ == "__main__":  # the scripts that import this module make their own check first
+    require_gpus(1)
+
+import flashinfer_moe as fm  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 DEV = "cuda"

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import torch
 
-import flashinfer_moe as fm
-from flashinfer_moe import reference as ref
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import time_eager, time_graph  # noqa: E402
+from timing import require_gpus, time_eager, time_graph  # noqa: E402
+
+require_gpus(1)
+
+import flashinfer_moe as fm  # noqa: E402
+from flashinfer_moe import reference as ref  # noqa: E402
 
 NUM_EXPERTS, TOP_K, HIDDEN, BLOCK_ROWS, SETS = 256, 8, 7168, 128, 8
 
@@ -136,9 +138,6 @@ def main() -> int:
     parser.add_argument("--ops", help="only the ops whose name contains one of these comma-separated words")
     parser.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_permute: needs a CUDA GPU", file=sys.stderr)
-        return 3
     gen = torch.Generator().manual_seed(0)
     ceiling, write_ceiling = copy_bandwidth(), write_bandwidth()
     print(

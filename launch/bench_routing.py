@@ -20,12 +20,16 @@ from pathlib import Path
 
 import torch
 
-import flashinfer_moe
-from flashinfer_moe import reference
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import require_gpus, time_eager, time_graph  # noqa: E402
+
+require_gpus(1)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_configs import MODEL_ROUTING, model_inputs  # noqa: E402
-from timing import time_eager, time_graph  # noqa: E402
+
+import flashinfer_moe  # noqa: E402
+from flashinfer_moe import reference  # noqa: E402
 
 
 def main() -> int:
@@ -37,9 +41,6 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_routing: needs a CUDA GPU", file=sys.stderr)
-        return 3
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     # One compiled graph per (model, T): raise dynamo's recompile limit so none falls back to eager.

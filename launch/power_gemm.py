@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,11 +33,14 @@ from pathlib import Path
 
 import torch
 
-import flashinfer_moe as fm
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import EXIT_NO_GPU, capture_graph, require_gpus  # noqa: E402
+
+require_gpus(1)
+
 from bench_gemm import _fp8_rows, _fp8_weights  # noqa: E402
-from timing import capture_graph  # noqa: E402
+
+import flashinfer_moe as fm  # noqa: E402
 
 PEAK_FLOP_PER_CLOCK = 8192  # dense FP8 per SM per clock, Hopper SXM
 
@@ -105,8 +109,9 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("power_gemm.py needs a GPU")
+    if shutil.which("nvidia-smi") is None:
+        print("power_gemm.py needs nvidia-smi (to sample power and clocks), and it is not on PATH", file=sys.stderr)
+        sys.exit(EXIT_NO_GPU)
     smi = subprocess.Popen(
         [
             "nvidia-smi",

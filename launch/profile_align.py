@@ -3,9 +3,17 @@
 ncu --clock-control none --kernel-name regex:align -c 8 python launch/profile_align.py
 """
 
-import torch
+import sys
+from pathlib import Path
 
-import flashinfer_moe as fm
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import require_gpus  # noqa: E402
+
+require_gpus(1)
+
+import torch  # noqa: E402
+
+import flashinfer_moe as fm  # noqa: E402
 
 gen = torch.Generator().manual_seed(0)
 for tokens in (128, 4096):

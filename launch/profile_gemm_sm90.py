@@ -27,8 +27,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import require_gpus, time_graph  # noqa: E402
+
+require_gpus(1, capability=(9, 0))
+
 from bench_gemm import SETTLE_MS, _fp8_rows, _fp8_weights, _layout, tflops  # noqa: E402
-from timing import time_graph  # noqa: E402
 from tune_gemm_sm90 import contiguous_case, masked_case  # noqa: E402
 
 from flashinfer_moe.moe import gemm_sm90  # noqa: E402

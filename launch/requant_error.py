@@ -13,6 +13,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import require_gpus  # noqa: E402
+
+require_gpus(1)
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_layer import GPU_SHAPE, hf_experts, layer_weights_ref, make_layer, rel_error  # noqa: E402
 

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import torch
 
-from flashinfer_moe.moe import gemm_config, gemm_kernel
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import time_graph  # noqa: E402
+from timing import require_gpus, time_graph  # noqa: E402
+
+require_gpus(1)
+
+from flashinfer_moe.moe import gemm_config, gemm_kernel  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 DEV = "cuda"

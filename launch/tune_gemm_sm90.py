@@ -22,8 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import require_gpus, time_graph  # noqa: E402
+
+if __name__ == "__main__":  # profile_gemm_sm90.py imports this module after its own check
+    require_gpus(1, capability=(9, 0))
+
 from bench_gemm import _fp8_rows, _fp8_weights, _layout, _scaled_mm, tflops  # noqa: E402
-from timing import time_graph  # noqa: E402
 
 from flashinfer_moe.moe import gemm_sm90  # noqa: E402
 

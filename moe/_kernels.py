@@ -9,8 +9,12 @@ import torch
 from flashinfer_moe._ops import kernel_library
 from flashinfer_moe.jit import KernelSpec, register
 
-PERMUTE_SPEC = register(KernelSpec("permute", ("permute/align.cu", "permute/scatter.cu", "permute/combine.cu")))
-QUANT_SPEC = register(KernelSpec("quant", ("quant/quant.cu",)))
+# sm_80: the warp reductions (__reduce_max_sync, __reduce_add_sync: redux.sync). The FP8 conversions of
+# cuda_fp8.h are single instructions from sm_89 on and emulated below it.
+PERMUTE_SPEC = register(
+    KernelSpec("permute", ("permute/align.cu", "permute/scatter.cu", "permute/combine.cu"), min_arch="80")
+)
+QUANT_SPEC = register(KernelSpec("quant", ("quant/quant.cu",), min_arch="80"))
 
 _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _PERMUTE_SIGNATURES = {

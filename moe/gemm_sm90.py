@@ -39,7 +39,8 @@ SPEC = register(
         # NDEBUG drops CUTLASS's device asserts, whose calls would make ptxas serialize the wgmma pipeline.
         ("-DNDEBUG",),
         header_sets=("cutlass",),
-        archs=("90a",),
+        archs=("90a",),  # wgmma, TMA and setmaxnreg: sm_90a exactly
+        min_arch="90a",
     )
 )
 
@@ -47,7 +48,8 @@ WGMMA_SPEC = register(
     KernelSpec(
         "gemm_sm90_wgmma",
         ("gemm/sm90_fp8_block_wgmma.cu", "gemm/sm90_common.cu"),
-        archs=("90a",),
+        archs=("90a",),  # wgmma, TMA (cp.async.bulk), mbarrier and setmaxnreg: sm_90a exactly
+        min_arch="90a",
     )
 )
 
@@ -168,13 +170,13 @@ def pick_packed(rows: int, num_experts: int, capacity: int | None, n: int, k: in
 def _buildable(chosen: tuple[str, int, str], num_experts: int) -> tuple[str, int, str]:
     """``pick``'s ``chosen``, or the closest of ours where it is CUTLASS's and CUTLASS's headers are missing."""
     if chosen[0] in CUTLASS_CONFIGS and num_experts <= WGMMA_MAX_EXPERTS and not _headers_found():
-        return "wg128w", *DEFAULT_ORDERS["wg128w"]  # docs/perf.md
+        return "wg128w", *DEFAULT_ORDERS["wg128w"]  # docs/perf-notes.md
     return chosen
 
 
 # Rows per expert from which GEMM1 with a gated activation runs as this GEMM plus a separate activation pass
 # (moe/act_kernel.py) rather than the Triton kernel with the activation fused: measured on an H200
-# (launch/profile_gemm_sm90.py --gemm1, docs/perf.md): the split won at every size measured, down to one row.
+# (launch/profile_gemm_sm90.py --gemm1, docs/perf-notes.md): the split won at every size measured, down to one row.
 SPLIT_MIN_ROWS_PER_EXPERT = 1
 
 
@@ -189,13 +191,13 @@ def split_activation(rows: int, num_experts: int, capacity: int | None) -> bool:
 
 
 # Contiguous groups up to this mean size take the 64-row tiles: with random top-8 routing (uneven groups) they
-# led the 128-row ones at means of 128 and 192 rows, and trailed them at 256 (docs/perf.md).
+# led the 128-row ones at means of 128 and 192 rows, and trailed them at 256 (docs/perf-notes.md).
 CONTIGUOUS_WG64_MAX_ROWS = 192
 
 # Most experts the wgmma kernel takes (its per-expert tables live in shared memory).
 WGMMA_MAX_EXPERTS = 1024
 
-# Each configuration's best tile order on the benchmark shapes (launch/tune_gemm_sm90.py, docs/perf.md).
+# Each configuration's best tile order on the benchmark shapes (launch/tune_gemm_sm90.py, docs/perf-notes.md).
 DEFAULT_ORDERS = {
     "coop": (2, "m"),
     "pingpong": (2, "m"),
@@ -210,7 +212,7 @@ DEFAULT_ORDERS = {
 def pick(rows: int, num_experts: int, capacity: int | None, n: int, k: int) -> tuple[str, int, str]:
     """``(config, swizzle, raster)`` for a shape; static facts only, so a captured graph replays what it captured."""
     per_expert = _rows_per_expert(rows, num_experts, capacity)
-    # From launch/tune_gemm_sm90.py on an H200 (docs/perf.md); neighbours in that sweep were within ~2 %.
+    # From launch/tune_gemm_sm90.py on an H200 (docs/perf-notes.md); neighbours in that sweep were within ~2 %.
     ours = num_experts <= WGMMA_MAX_EXPERTS
     if per_expert <= 64:  # weight-bandwidth bound: 64-row tiles waste fewer rows, 256 columns stream more
         return ("wg64", *DEFAULT_ORDERS["wg64"]) if ours else ("pingpong", 2, "m")

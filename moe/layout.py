@@ -82,7 +82,9 @@ def _checked_ids(topk_ids: object, num_experts: object) -> tuple[torch.Tensor, i
 
 
 def _checking() -> bool:
-    return not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing())
+    # torch.cuda.is_current_stream_capturing() raises on a CPU build of torch, so ask only where CUDA exists.
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return not (torch.compiler.is_compiling() or capturing)
 
 
 def _build(ids: torch.Tensor, num_experts: int, block_rows: int, capacity: int, num_rows: int, validate: bool):
@@ -113,7 +115,7 @@ def _build(ids: torch.Tensor, num_experts: int, block_rows: int, capacity: int, 
         block_rows,
         capacity,
     )
-    if validate and device.type != "cpu" and _checking():
+    if validate and device.type == "cuda" and _checking():  # not on meta tensors: they hold no values
         invalid = int(layout.status[1])  # one host sync; pass validate=False to skip it
         if invalid:
             raise ValueError(f"topk_ids must lie in [-1, num_experts) = [-1, {num_experts}), got {invalid} ids outside")

@@ -21,7 +21,8 @@ MAX_EXPERTS = 1024
 MAX_TOP_K = 32
 MAX_EXPERT_GROUPS = 32
 
-SPEC = register(KernelSpec("routing", ("routing/route.cu",)))
+# sm_80: the warp reductions (__reduce_max_sync, __reduce_min_sync: redux.sync).
+SPEC = register(KernelSpec("routing", ("routing/route.cu",), min_arch="80"))
 
 _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {

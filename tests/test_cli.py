@@ -1,6 +1,7 @@
 """The flashinfer-moe command, on a machine that may have no GPU."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,3 +81,124 @@ def test_build_then_cached_then_clear(tmp_path):
     cleared = _cli("clear-cache", env=env)
     assert cleared.returncode == 0 and "freed" in cleared.stdout
     assert not any((tmp_path / "cache").rglob("*.so"))
+
+
+# A stand-in for nvcc: two version lines as the real one prints, compiles that sleep FAKE_NVCC_SLEEP seconds.
+FAKE_NVCC = """\
+#!{python}
+import os, sys, time
+args = sys.argv[1:]
+if "--version" in args:
+    print("nvcc: NVIDIA (R) Cuda compiler driver")
+    print("Cuda compilation tools, release 12.8, V12.8.93")
+    print("Build cuda_12.8.r12.8/compiler.fake")
+    sys.exit(0)
+time.sleep(float(os.environ.get("FAKE_NVCC_SLEEP", "0")))
+with open(args[args.index("-o") + 1], "wb") as f:
+    f.write(b"fake")
+"""
+
+
+@pytest.fixture
+def fake_nvcc(tmp_path):
+    path = tmp_path / "fake_nvcc"
+    path.write_text(FAKE_NVCC.format(python=sys.executable))
+    path.chmod(0o755)
+    return path
+
+
+def test_env_prints_one_line_per_field(tmp_path, fake_nvcc):
+    res = _cli("env", env={"FLASHINFER_MOE_CACHE_DIR": str(tmp_path / "cache"), "FLASHINFER_MOE_NVCC": str(fake_nvcc)})
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines and all(" : " in line and not line.startswith(" ") for line in lines), res.stdout
+    nvcc = [line for line in lines if line.startswith("nvcc ")]
+    assert len(nvcc) == 1 and "release 12.8, V12.8.93" in nvcc[0] and "Build cuda_12.8.r12.8" in nvcc[0], lines
+
+
+def test_clear_cache_is_honest_about_a_missing_or_empty_folder(tmp_path):
+    missing = tmp_path / "never-created"
+    res = _cli("clear-cache", env={"FLASHINFER_MOE_CACHE_DIR": str(missing)})
+    assert res.returncode == 0, res.stderr
+    assert "does not exist" in res.stdout and str(missing) in res.stdout and "cleared" not in res.stdout
+    assert not missing.exists()
+    missing.mkdir()
+    res = _cli("clear-cache", env={"FLASHINFER_MOE_CACHE_DIR": str(missing)})
+    assert res.returncode == 0 and "is empty" in res.stdout and "cleared" not in res.stdout
+    (missing / "routing" / "0123456789abcdef").mkdir(parents=True)
+    (missing / "routing" / "0123456789abcdef" / "librouting.so").write_bytes(b"x" * 10)
+    res = _cli("clear-cache", env={"FLASHINFER_MOE_CACHE_DIR": str(missing)})
+    assert res.returncode == 0 and "cleared" in res.stdout and "1 build(s), 10 B freed" in res.stdout, res.stdout
+    assert missing.is_dir() and not any(missing.iterdir())
+
+
+def test_every_kernel_family_declares_its_minimum_arch():
+    from flashinfer_moe.cli import _load_kernel_registry
+
+    jit = _load_kernel_registry()
+    declared = {name: spec.min_arch for name, spec in jit.REGISTRY.items()}
+    assert declared == {
+        "comm": "70",
+        "gemm_sm90": "90a",
+        "gemm_sm90_wgmma": "90a",
+        "permute": "80",
+        "probe": "70",
+        "quant": "80",
+        "routing": "80",
+    }
+    assert jit.REGISTRY["gemm_sm90"].archs == jit.REGISTRY["gemm_sm90_wgmma"].archs == ("90a",)
+
+
+def test_build_for_an_unsupported_arch_names_families_and_minimum(tmp_path):
+    # An nvcc that does not exist: the arch check must come first, so nvcc is never looked for.
+    env = {"FLASHINFER_MOE_CACHE_DIR": str(tmp_path / "cache"), "FLASHINFER_MOE_NVCC": str(tmp_path / "no-nvcc")}
+    res = _cli("build", "--arch", "75", env=env)
+    assert res.returncode == 1, res.stderr
+    for family in ("permute", "quant", "routing"):
+        assert (
+            f"flashinfer-moe build: kernel family '{family}' needs sm_80 or newer (compute capability 8.0+), "
+            "not sm_75 (compute capability 7.5)" in res.stderr
+        ), res.stderr
+    assert "nothing was compiled (`--kernel comm --kernel probe` builds the families" in res.stderr
+    assert "FLASHINFER_MOE_NVCC" not in res.stderr and "Traceback" not in res.stderr and "nvcc" not in res.stderr
+    assert not (tmp_path / "cache").exists()
+    res = _cli("build", "--arch", "89", "--kernel", "gemm_sm90_wgmma", env=env)
+    assert res.returncode == 1 and "kernel family 'gemm_sm90_wgmma' is written for sm_90a only" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_build_on_an_unsupported_gpu_arch_from_the_environment(tmp_path):
+    env = {"FLASHINFER_MOE_CACHE_DIR": str(tmp_path), "FLASHINFER_MOE_CUDA_ARCH": "75"}
+    res = _cli("build", "--kernel", "routing", env=env)
+    assert res.returncode == 1
+    assert "'routing' needs sm_80 or newer" in res.stderr and "from FLASHINFER_MOE_CUDA_ARCH" in res.stderr
+
+
+def test_build_command_reports_progress_and_never_says_first_use(tmp_path, fake_nvcc):
+    # The progress interval shortened in the child: three translation units of one second each (in parallel).
+    code = (
+        "import sys\n"
+        "from flashinfer_moe.jit import core\n"
+        "core.PROGRESS_INTERVAL_S = 0.2\n"
+        "from flashinfer_moe.cli import main\n"
+        "sys.exit(main(['build', '--arch', '90a', '--kernel', 'permute', '--kernel', 'routing']))\n"
+    )
+    env = dict(os.environ)
+    env.update(
+        FLASHINFER_MOE_CACHE_DIR=str(tmp_path / "cache"), FLASHINFER_MOE_NVCC=str(fake_nvcc), FAKE_NVCC_SLEEP="1"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    err = res.stderr.splitlines()
+    assert (
+        f"[flashinfer_moe] compiling permute for sm_90a (flashinfer-moe build): 3 translation units, cached in "
+        f"{tmp_path / 'cache'}" in err
+    ), err
+    progress = [line for line in err if line.startswith("[flashinfer_moe] still compiling permute for sm_90a")]
+    assert progress, err
+    assert all(
+        re.search(r"\(flashinfer-moe build\): \d+\.\d s, [0-3] of 3 translation units done", p) for p in progress
+    )
+    assert any("compiling routing for sm_90a (flashinfer-moe build): 1 translation unit" in line for line in err)
+    assert "first use" not in res.stderr and "ahead of time" not in res.stderr
+    assert "permute: " in res.stdout and "routing: " in res.stdout

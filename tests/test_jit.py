@@ -8,6 +8,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -38,7 +39,9 @@ if kind == "version":
     print("Cuda compilation tools, release " + os.environ.get("FAKE_NVCC_VERSION", "12.8") + ", V0.0.0")
     print("Build cuda_fake")
     sys.exit(0)
-time.sleep(float(os.environ.get("FAKE_NVCC_SLEEP", "0")))
+# FAKE_NVCC_SLEEP_<stem of the source> (or FAKE_NVCC_SLEEP_link) overrides FAKE_NVCC_SLEEP for one step.
+step = os.path.splitext(os.path.basename(args[args.index("-c") + 1]))[0] if kind == "compile" else "link"
+time.sleep(float(os.environ.get("FAKE_NVCC_SLEEP_" + step, os.environ.get("FAKE_NVCC_SLEEP", "0"))))
 if os.environ.get("FAKE_NVCC_FAIL"):
     print(os.environ["FAKE_NVCC_FAIL"], file=sys.stderr)
     sys.exit(1)
@@ -96,6 +99,9 @@ def env(tmp_path, monkeypatch):
     for var in (
         "FAKE_NVCC_VERSION",
         "FAKE_NVCC_SLEEP",
+        "FAKE_NVCC_SLEEP_a",
+        "FAKE_NVCC_SLEEP_b",
+        "FAKE_NVCC_SLEEP_link",
         "FAKE_NVCC_FAIL",
         "FLASHINFER_MOE_JIT_VERBOSE",
         "FLASHINFER_MOE_JIT_LOCK_TIMEOUT_S",
@@ -117,7 +123,7 @@ def env(tmp_path, monkeypatch):
 
 def test_first_build_compiles_and_logs(env, caplog):
     caplog.set_level(logging.INFO, logger="flashinfer_moe.jit")
-    so = core.build(env.spec)
+    so = core.build(env.spec, why="first use")
     key = env.key()
     assert so == env.cache / "k" / key / "libk.so"
     assert so.read_bytes().startswith(b"SO OBJ ")
@@ -125,7 +131,8 @@ def test_first_build_compiles_and_logs(env, caplog):
     link = env.calls("link")[0]
     assert "-gencode=arch=compute_90a,code=sm_90a" in link and link.endswith("-o libk.so")
     messages = [r.getMessage() for r in caplog.records if r.name == "flashinfer_moe.jit"]
-    assert "compiling k for sm_90a (first use)" in messages
+    assert f"compiling k for sm_90a (first use): 2 translation units, cached in {env.cache}; " in messages[0]
+    assert "`flashinfer-moe build` compiles every kernel ahead of time" in messages[0]
     assert any(m.startswith("compiled k in ") and m.endswith(" s") for m in messages)
     meta = json.loads((so.parent / "meta.json").read_text())
     assert meta["arch"] == ["90a"] and meta["flags"] == core.nvcc_flags(env.spec, ["90a"])
@@ -356,8 +363,8 @@ def test_build_published_meanwhile_is_kept(env, monkeypatch):
     final = env.cache / "k" / env.key()
     real_run = core._run_ninja
 
-    def run_then_publish_elsewhere(build_dir, verbose):
-        result = real_run(build_dir, verbose)
+    def run_then_publish_elsewhere(build_dir, verbose, progress=None):
+        result = real_run(build_dir, verbose, progress)
         final.mkdir()
         (final / "libk.so").write_bytes(b"other process")
         return result
@@ -378,8 +385,8 @@ def test_incomplete_build_folder_is_replaced(env):
 def test_source_edited_during_compile_is_not_cached(env, monkeypatch):
     real_run = core._run_ninja
 
-    def run_and_edit(build_dir, verbose):
-        result = real_run(build_dir, verbose)
+    def run_and_edit(build_dir, verbose, progress=None):
+        result = real_run(build_dir, verbose, progress)
         _edit(env.root / "k/a.cu")
         return result
 
@@ -488,18 +495,21 @@ def test_compile_messages_are_visible_once(env):
         import logging, sys
         from flashinfer_moe.jit import core
         root = sys.argv[1]
-        core.build(core.KernelSpec("k1", ("k/a.cu",), root=root))  # no logging configured
+        core.ctypes.CDLL = lambda path: None  # the fake nvcc's libraries cannot be loaded
+        core.load(core.KernelSpec("k1", ("k/a.cu",), root=root))  # no logging configured
         logging.basicConfig(level=logging.INFO, format="APP %(message)s")
-        core.build(core.KernelSpec("k2", ("k/a.cu",), root=root))  # the app's handler only
+        core.load(core.KernelSpec("k2", ("k/a.cu",), root=root))  # the app's handler only
         logging.getLogger().setLevel(logging.WARNING)
-        core.build(core.KernelSpec("k3", ("k/a.cu",), root=root))  # the app asked for quiet
+        core.load(core.KernelSpec("k3", ("k/a.cu",), root=root))  # the app asked for quiet
         """,
         str(env.root),
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
-    assert [ln for ln in lines if "compiling k1" in ln] == ["[flashinfer_moe] compiling k1 for sm_90a (first use)"]
-    assert [ln for ln in lines if "compiling k2" in ln] == ["APP compiling k2 for sm_90a (first use)"]
+    k1 = [ln for ln in lines if "compiling k1" in ln]
+    k2 = [ln for ln in lines if "compiling k2" in ln]
+    assert len(k1) == 1 and k1[0].startswith("[flashinfer_moe] compiling k1 for sm_90a (first use): "), lines
+    assert len(k2) == 1 and k2[0].startswith("APP compiling k2 for sm_90a (first use): "), lines
     assert not [ln for ln in lines if "k3" in ln]
 
 
@@ -556,3 +566,182 @@ def test_arch_specific_kernel_builds_only_for_its_arch(env):
     so = core.build(spec, ["90a", "100a"])  # the other arch is dropped, not compiled for
     assert all("compute_100a" not in c for c in env.calls())
     assert so == core.build(spec, ["90a"])
+
+
+# ------------------------------------------------------------------------------ progress while compiling
+
+PROGRESS_RE = re.compile(
+    r"^still compiling k for sm_90a \(first use\): (\d+(?:\.\d)?) s, (\d) of 2 translation units done(, linking)?$"
+)
+
+
+def _jit_messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "flashinfer_moe.jit"]
+
+
+def test_slow_compile_prints_progress_with_elapsed_time_and_units_done(env, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="flashinfer_moe.jit")
+    monkeypatch.setattr(core, "PROGRESS_INTERVAL_S", 0.1)
+    monkeypatch.setattr(core.ctypes, "CDLL", lambda path: object())
+    # a.cu is done at once, b.cu after 1.5 s, then the link takes 0.6 s.
+    monkeypatch.setenv("FAKE_NVCC_SLEEP_b", "1.5")
+    monkeypatch.setenv("FAKE_NVCC_SLEEP_link", "0.6")
+    core.load(env.spec)
+    messages = _jit_messages(caplog)
+    assert messages[0].startswith(f"compiling k for sm_90a (first use): 2 translation units, cached in {env.cache}")
+    progress = [PROGRESS_RE.match(m) for m in messages if m.startswith("still compiling")]
+    assert all(progress), messages
+    assert len(progress) >= 8, messages
+    seconds = [float(m.group(1)) for m in progress]
+    done = [int(m.group(2)) for m in progress]
+    assert seconds == sorted(seconds) and seconds[0] < 1.0 and seconds[-1] >= 1.5, messages
+    assert done == sorted(done) and 1 in done and done[-1] == 2, messages
+    assert all(bool(m.group(3)) == (int(m.group(2)) == 2) for m in progress), messages  # linking once all are done
+    assert messages[-1].startswith("compiled k in ")
+
+
+def test_progress_of_a_single_unit_shows_the_elapsed_time(env, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="flashinfer_moe.jit")
+    monkeypatch.setattr(core, "PROGRESS_INTERVAL_S", 0.1)
+    monkeypatch.setenv("FAKE_NVCC_SLEEP", "0.5")
+    core.build(dataclasses.replace(env.spec, sources=("k/a.cu",)), why="first use")
+    messages = _jit_messages(caplog)
+    assert messages[0].startswith("compiling k for sm_90a (first use): 1 translation unit, cached in ")
+    progress = [m for m in messages if m.startswith("still compiling")]
+    assert progress and all(re.fullmatch(r"still compiling k for sm_90a \(first use\): \d\.\d s", m) for m in progress)
+
+
+def test_first_use_is_said_only_by_the_call_that_compiles(env, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="flashinfer_moe.jit")
+    monkeypatch.setattr(core.ctypes, "CDLL", lambda path: object())
+    core.load(env.spec)
+    core._loaded.clear()
+    core.load(env.spec)  # a cache hit: no compile, nothing to say
+    first = _jit_messages(caplog)
+    assert sum("compiling" in m for m in first) == 1 and "(first use)" in first[0]
+    caplog.clear()
+    core.build(env.spec, ["100a"], why=core.BUILD_COMMAND)  # as `flashinfer-moe build` does
+    ahead = _jit_messages(caplog)
+    assert ahead[0].startswith(
+        f"compiling k for sm_100a (flashinfer-moe build): 2 translation units, cached in {env.cache}"
+    )
+    assert "first use" not in " ".join(ahead) and "ahead of time" not in ahead[0]
+    caplog.clear()
+    core.build(env.spec, ["89"])  # a direct call with no reason
+    plain = _jit_messages(caplog)
+    assert plain[0].startswith("compiling k for sm_89: 2 translation units") and "first use" not in " ".join(plain)
+    assert "`flashinfer-moe build` compiles every kernel ahead of time" in plain[0]
+
+
+def test_waiting_for_another_process_reports_progress(env, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="flashinfer_moe.jit")
+    monkeypatch.setattr(core, "PROGRESS_INTERVAL_S", 0.1)
+    monkeypatch.setenv("FLASHINFER_MOE_JIT_LOCK_TIMEOUT_S", "0.8")
+    lock = env.cache / "k" / f"{env.key()}.lock"
+    lock.parent.mkdir(parents=True)
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(JitError, match="timed out"):
+            core.build(env.spec)
+    waits = [m for m in _jit_messages(caplog) if m.startswith("still waiting for another process compiling k: ")]
+    assert len(waits) >= 3, _jit_messages(caplog)
+
+
+def test_interrupted_compile_stops_ninja_and_leaves_nothing(env, monkeypatch):
+    monkeypatch.setattr(core, "PROGRESS_INTERVAL_S", 0.1)
+    monkeypatch.setenv("FAKE_NVCC_SLEEP", "30")
+
+    def interrupt(elapsed, finished):
+        raise KeyboardInterrupt
+
+    real_run = core._run_ninja
+    monkeypatch.setattr(
+        core, "_run_ninja", lambda build_dir, verbose, progress=None: real_run(build_dir, verbose, interrupt)
+    )
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        core.build(env.spec)
+    assert time.monotonic() - start < 20
+    assert list((env.cache / "k").iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ minimum architecture
+
+
+def test_compute_capability():
+    assert [core.compute_capability(a) for a in ("75", "80", "89", "90a", "100a", "121")] == [
+        "7.5",
+        "8.0",
+        "8.9",
+        "9.0",
+        "10.0",
+        "12.1",
+    ]
+
+
+def test_arch_problem_and_supported_archs(tmp_path):
+    spec = core.KernelSpec("m", ("m.cu",), root=tmp_path, min_arch="80")
+    assert core.arch_problem(spec, "80") is None and core.arch_problem(spec, "100a") is None
+    assert core.arch_problem(spec, "75") == "kernel family 'm' needs sm_80 or newer (compute capability 8.0+)"
+    assert core.supported_archs(spec, ["75", "90a", "80"]) == ["90a", "80"]
+    with pytest.raises(core.UnsupportedArchError) as info:
+        core.supported_archs(spec, ["75"], "the visible GPUs' architecture")
+    assert str(info.value) == (
+        "kernel family 'm' needs sm_80 or newer (compute capability 8.0+), not sm_75 (compute capability 7.5), "
+        'the visible GPUs\' architecture; see "Supported GPUs" in the README'
+    )
+    exact = core.KernelSpec("h", ("h.cu",), root=tmp_path, archs=("90a",), min_arch="90a")
+    assert core.arch_problem(exact, "90a") is None
+    assert (
+        core.arch_problem(exact, "100a")
+        == core.arch_problem(exact, "80")
+        == ("kernel family 'h' is written for sm_90a only")
+    )
+    assert issubclass(core.UnsupportedArchError, JitError)
+
+
+def test_kernel_spec_validates_its_min_arch(tmp_path):
+    with pytest.raises(ValueError, match="arch"):
+        core.KernelSpec("m", ("m.cu",), root=tmp_path, min_arch="8.0")
+    with pytest.raises(ValueError, match="below its min_arch"):
+        core.KernelSpec("m", ("m.cu",), root=tmp_path, archs=("80", "90a"), min_arch="90a")
+
+
+def test_unsupported_arch_is_refused_before_nvcc_runs(env, monkeypatch):
+    spec = dataclasses.replace(env.spec, min_arch="80")
+    with pytest.raises(
+        core.UnsupportedArchError, match=r"'k' needs sm_80 or newer .*not sm_75 \(compute capability 7\.5\)"
+    ):
+        core.build(spec, ["75"])
+    monkeypatch.setenv("FLASHINFER_MOE_CUDA_ARCH", "75")
+    with pytest.raises(core.UnsupportedArchError, match="from FLASHINFER_MOE_CUDA_ARCH"):
+        core.load(spec)
+    assert env.calls() == [] and not env.cache.exists()  # not even `nvcc --version`
+
+
+def test_first_call_on_an_unsupported_gpu_names_family_and_minimum(env, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.delenv("FLASHINFER_MOE_CUDA_ARCH")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (7, 5))
+    with pytest.raises(core.UnsupportedArchError) as info:
+        core.load(dataclasses.replace(env.spec, min_arch="80"))
+    message = str(info.value)
+    assert "'k' needs sm_80 or newer" in message and "sm_75" in message and "visible GPUs'" in message
+    assert "Supported GPUs" in message
+    assert env.calls() == []
+
+
+def test_archs_below_the_minimum_are_left_out_with_a_warning(env, caplog, monkeypatch):
+    monkeypatch.setattr(core, "_warned_below", set())
+    caplog.set_level(logging.INFO, logger="flashinfer_moe.jit")
+    so = core.build(dataclasses.replace(env.spec, min_arch="80"), ["75", "90a"])
+    assert so.is_file()
+    assert env.calls("compile") and all("compute_75" not in c for c in env.calls())
+    core.build(dataclasses.replace(env.spec, min_arch="80"), ["75", "90a"])  # a cache hit, and said once only
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "kernel family 'k' needs sm_80 or newer (compute capability 8.0+): not building it for sm_75, "
+        "so GPUs of that architecture cannot run it"
+    ]

@@ -3,11 +3,14 @@
 from .core import (
     REGISTRY,
     KernelSpec,
+    UnsupportedArchError,
+    arch_problem,
     build,
     cache_key,
     cache_root,
     cache_size,
     clear_cache,
+    compute_capability,
     csrc_dir,
     current_arch,
     find_nvcc,
@@ -17,16 +20,20 @@ from .core import (
     nvcc_version,
     register,
     source_files,
+    supported_archs,
 )
 
 __all__ = [
     "REGISTRY",
     "KernelSpec",
+    "UnsupportedArchError",
+    "arch_problem",
     "build",
     "cache_key",
     "cache_root",
     "cache_size",
     "clear_cache",
+    "compute_capability",
     "csrc_dir",
     "current_arch",
     "find_nvcc",
@@ -36,4 +43,5 @@ __all__ = [
     "nvcc_version",
     "register",
     "source_files",
+    "supported_archs",
 ]

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -40,6 +40,14 @@ _DEFAULT_NVCC = "/usr/local/cuda/bin/nvcc"
 _ARCH_RE = re.compile(r"^\d{2,3}[af]?$")
 _INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 _BASE_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", "-lineinfo")
+# Seconds between the lines that show a compile (or a wait for another process's compile) is still going.
+PROGRESS_INTERVAL_S = 10.0
+BUILD_COMMAND = "flashinfer-moe build"  # the reason `flashinfer-moe build` gives for its compiles
+SUPPORTED_GPUS_HINT = 'see "Supported GPUs" in the README'
+
+
+class UnsupportedArchError(JitError):
+    """A kernel family cannot be built for the target architecture(s): raised before nvcc is run."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,9 @@ class KernelSpec:
         root: Source folder and ``-I`` root; None means ``csrc_dir()``.
         header_sets: Third-party header sets to add to the include path (see ``HEADER_SETS``).
         archs: The only target archs the sources are written for (e.g. ``("90a",)``); empty means any.
+        min_arch: The oldest arch the sources can be compiled for (e.g. ``"80"`` where they use sm_80
+            instructions); targets below it are refused with an ``UnsupportedArchError`` before nvcc runs.
+            Empty means no minimum.
     """
 
     name: str
@@ -61,6 +72,7 @@ class KernelSpec:
     root: Path | None = None
     header_sets: tuple[str, ...] = ()
     archs: tuple[str, ...] = ()
+    min_arch: str = ""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.name or "") or not self.sources:
@@ -70,6 +82,11 @@ class KernelSpec:
         object.__setattr__(self, "extra_cuda_flags", tuple(self.extra_cuda_flags))
         object.__setattr__(self, "header_sets", tuple(self.header_sets))
         object.__setattr__(self, "archs", tuple(_checked_arch(list(self.archs))) if self.archs else ())
+        if self.min_arch:
+            _checked_arch([self.min_arch])
+            below = [a for a in self.archs if _arch_number(a) < _arch_number(self.min_arch)]
+            if below:
+                raise ValueError(f"KernelSpec {self.name!r}: archs {below} are below its min_arch {self.min_arch!r}")
         unknown = [h for h in self.header_sets if h not in HEADER_SETS]
         if unknown:
             raise ValueError(f"unknown header sets {unknown}; known: {sorted(HEADER_SETS)}")
@@ -230,6 +247,59 @@ def gencode_flags(arch: list[str]) -> list[str]:
     return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in _checked_arch(arch)]
 
 
+def _arch_number(arch: str) -> int:
+    return int(arch.rstrip("af"))
+
+
+def compute_capability(arch: str) -> str:
+    """The compute capability an arch string stands for, e.g. ``"8.0"`` for ``"80"``, ``"10.0"`` for ``"100a"``."""
+    number = _arch_number(_checked_arch([arch])[0])
+    return f"{number // 10}.{number % 10}"
+
+
+def arch_problem(spec: KernelSpec, arch: str) -> str | None:
+    """Why ``spec`` cannot be built for ``arch``, or None when it can.
+
+    Args:
+        spec: The kernel family.
+        arch: One target arch string, e.g. ``"75"``.
+
+    Returns:
+        e.g. ``"kernel family 'routing' needs sm_80 or newer (compute capability 8.0+)"``.
+    """
+    if spec.archs and arch not in spec.archs:
+        return f"kernel family {spec.name!r} is written for sm_{', sm_'.join(spec.archs)} only"
+    if spec.min_arch and _arch_number(arch) < _arch_number(spec.min_arch):
+        return (
+            f"kernel family {spec.name!r} needs sm_{spec.min_arch} or newer "
+            f"(compute capability {compute_capability(spec.min_arch)}+)"
+        )
+    return None
+
+
+def supported_archs(spec: KernelSpec, arch: list[str], where: str = "") -> list[str]:
+    """The archs of ``arch`` that ``spec`` can be built for; checked without running nvcc.
+
+    Args:
+        spec: The kernel family.
+        arch: Target arch strings.
+        where: Where ``arch`` came from, for the error message (e.g. ``"the visible GPU"``).
+
+    Returns:
+        The buildable ones, in their order.
+
+    Raises:
+        UnsupportedArchError: None is buildable; the message names the family and its requirement.
+    """
+    arch = _checked_arch(arch)
+    kept = [a for a in arch if arch_problem(spec, a) is None]
+    if not kept:
+        problem = arch_problem(spec, arch[0])
+        targets = ", ".join(f"sm_{a} (compute capability {compute_capability(a)})" for a in arch)
+        raise UnsupportedArchError(f"{problem}, not {targets}{f', {where}' if where else ''}; {SUPPORTED_GPUS_HINT}")
+    return kept
+
+
 def _compile_flags(spec: KernelSpec, arch: list[str], include_root: str, headers: list[str] | None = None) -> list[str]:
     if headers is None:
         headers = [str(path) for _, path, _ in _header_includes(spec)]
@@ -356,9 +426,14 @@ def _make_logging_visible() -> None:
         _owns_level = True
 
 
+def _seconds(elapsed: float) -> str:
+    return f"{elapsed:.0f} s" if elapsed >= 10 else f"{elapsed:.1f} s"
+
+
 @contextmanager
 def _exclusive_lock(path: Path, timeout_s: float, name: str) -> Iterator[None]:
-    deadline, delay = time.monotonic() + timeout_s, 0.01
+    start = time.monotonic()
+    deadline, delay, next_report = start + timeout_s, 0.01, start + PROGRESS_INTERVAL_S
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -367,8 +442,12 @@ def _exclusive_lock(path: Path, timeout_s: float, name: str) -> Iterator[None]:
             os.close(fd)
             if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise
+            now = time.monotonic()
             if delay == 0.01:
                 logger.info("waiting for another process compiling %s (lock %s)", name, path)
+            elif now >= next_report:
+                logger.info("still waiting for another process compiling %s: %s", name, _seconds(now - start))
+                next_report = now + PROGRESS_INTERVAL_S
             if time.monotonic() >= deadline:
                 raise JitError(
                     f"timed out after {timeout_s:g} s waiting for the lock {path}, held by another process "
@@ -429,25 +508,92 @@ def _write_build_ninja(spec: KernelSpec, arch: list[str], nvcc: str, build_dir: 
     (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")
 
 
-def _run_ninja(build_dir: Path, verbose: bool) -> tuple[int, str]:
+# Ninja prints this before each build step's description as the step finishes (its output is not a terminal):
+# how many steps are finished, of how many.
+_NINJA_STATUS = "[flashinfer_moe %f/%t] "
+_NINJA_STATUS_RE = re.compile(r"^\[flashinfer_moe (\d+)/(\d+)\] ")
+
+
+def _run_ninja(build_dir: Path, verbose: bool, progress: Callable[[float, int], None] | None = None) -> tuple[int, str]:
+    """Runs ninja in ``build_dir``; calls ``progress(seconds, steps finished)`` every ``PROGRESS_INTERVAL_S``.
+
+    Ninja compiles the translation units in parallel, then links. Returns its exit code and output.
+    """
     cmd = [_find_ninja(), "-C", str(build_dir)] + (["-v"] if verbose else [])
     if verbose:
         print("[flashinfer_moe] " + shlex.join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-    if verbose:
-        print(proc.stdout, end="", file=sys.stderr, flush=True)
-    return proc.returncode, proc.stdout
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env={**os.environ, "NINJA_STATUS": _NINJA_STATUS},
+    )
+    lines: list[str] = []
+    finished = [0]
+
+    def read_output() -> None:
+        for line in proc.stdout:
+            status = _NINJA_STATUS_RE.match(line)
+            if status:
+                finished[0] = int(status.group(1))
+                line = line[status.end() :]
+            lines.append(line)
+            if verbose:
+                print(line, end="", file=sys.stderr, flush=True)
+
+    reader = threading.Thread(target=read_output, name="flashinfer_moe-ninja", daemon=True)
+    reader.start()
+    try:
+        while True:
+            try:
+                proc.wait(timeout=PROGRESS_INTERVAL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if progress is not None:
+                    progress(time.monotonic() - start, finished[0])
+    except BaseException:  # e.g. KeyboardInterrupt: ninja stops its compilers when terminated
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=1)
+        raise
+    reader.join(timeout=60)
+    return proc.returncode, "".join(lines)
 
 
-def _compile(spec: KernelSpec, arch: list[str], nvcc: str, key: str, final: Path) -> None:
+def _compile(spec: KernelSpec, arch: list[str], nvcc: str, key: str, final: Path, why: str | None) -> None:
     lib = f"lib{spec.name}.so"
     # Same folder as the final one, so the rename that publishes it is atomic.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=final.parent))
     try:
         _write_build_ninja(spec, arch, nvcc, tmp)
-        logger.info("compiling %s for %s (first use)", spec.name, ", ".join(f"sm_{a}" for a in arch))
+        what = f"{spec.name} for {', '.join(f'sm_{a}' for a in arch)}" + (f" ({why})" if why else "")
+        units = len(spec.sources)
+        hint = "" if why == BUILD_COMMAND else f"; `{BUILD_COMMAND}` compiles every kernel ahead of time"
+        logger.info(
+            "compiling %s: %d translation unit%s, cached in %s%s",
+            what,
+            units,
+            "" if units == 1 else "s",
+            cache_root(),
+            hint,
+        )
+
+        def progress(elapsed: float, steps_finished: int) -> None:
+            done = min(steps_finished, units)  # the link is the last step
+            count = f", {done} of {units} translation units done" if units > 1 else ""
+            linking = ", linking" if done == units and units > 1 else ""
+            logger.info("still compiling %s: %s%s%s", what, _seconds(elapsed), count, linking)
+
         start = time.perf_counter()
-        rc, output = _run_ninja(tmp, envs.jit_verbose())
+        rc, output = _run_ninja(tmp, envs.jit_verbose(), progress)
         seconds = time.perf_counter() - start
         if rc != 0 or not (tmp / lib).is_file():
             tail = "\n".join(output.rstrip().splitlines()[-60:])
@@ -472,22 +618,45 @@ def _compile(spec: KernelSpec, arch: list[str], nvcc: str, key: str, final: Path
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build(spec: KernelSpec, arch: list[str] | None = None) -> Path:
+_warned_below: set[tuple[str, ...]] = set()
+
+
+def arch_origin() -> str:
+    """Where ``current_arch()`` takes the archs from, in words (for messages)."""
+    if envs.cuda_arch():
+        return "from FLASHINFER_MOE_CUDA_ARCH"
+    return "the visible GPUs' architecture"
+
+
+def build(spec: KernelSpec, arch: list[str] | None = None, *, why: str | None = None) -> Path:
     """Compile ``spec`` unless an identical build is cached.
 
     Args:
         spec: The kernel family.
-        arch: Target arch strings; None means ``current_arch()``.
+        arch: Target arch strings; None means ``current_arch()``. Those ``spec`` is not written for are left
+            out (with a warning where they are below its ``min_arch``).
+        why: Shown in the log lines of a compile, e.g. ``"first use"``.
 
     Returns:
         Path of ``lib<name>.so`` in the cache.
+
+    Raises:
+        UnsupportedArchError: ``spec`` cannot be built for any of the archs (checked before nvcc runs).
+        JitError: No nvcc, a compiler error, a lock timeout.
     """
-    arch = _checked_arch(current_arch() if arch is None else arch, normalize=True)
-    if spec.archs:
-        wanted = arch
-        arch = [a for a in arch if a in spec.archs]
-        if not arch:
-            raise JitError(f"kernel {spec.name!r} is written for sm_{', sm_'.join(spec.archs)} only, not for {wanted}")
+    where = arch_origin() if arch is None else ""
+    wanted = _checked_arch(current_arch() if arch is None else arch, normalize=True)
+    arch = supported_archs(spec, wanted, where)
+    below = [a for a in wanted if a not in arch and spec.min_arch and _arch_number(a) < _arch_number(spec.min_arch)]
+    if below and (spec.name, *below) not in _warned_below:
+        _warned_below.add((spec.name, *below))  # once per process, not on every call
+        _make_logging_visible()
+        logger.warning(
+            "%s: not building it for %s, so GPUs of %s cannot run it",
+            arch_problem(spec, below[0]),
+            ", ".join(f"sm_{a}" for a in below),
+            "that architecture" if len(below) == 1 else "those architectures",
+        )
     nvcc = find_nvcc()
     key = cache_key(spec, arch, nvcc)
     final = cache_root() / spec.name / key
@@ -502,7 +671,7 @@ def build(spec: KernelSpec, arch: list[str] | None = None) -> Path:
     with _exclusive_lock(final.parent / f"{key}.lock", envs.jit_lock_timeout_s(), spec.name):
         if lib.is_file():  # another process (another rank) built it while we waited
             return lib
-        _compile(spec, arch, nvcc, key, final)
+        _compile(spec, arch, nvcc, key, final, why)
         if cache_key(spec, arch, nvcc) != key:
             # A source was edited mid-compile: the binary may not match the key it would be stored under.
             shutil.rmtree(final, ignore_errors=True)
@@ -523,7 +692,7 @@ def load(spec: KernelSpec) -> ctypes.CDLL:
     Returns:
         The library; its ``extern "C"`` functions are attributes.
     """
-    lib = build(spec)
+    lib = build(spec, why="first use")  # only a call that finds no cached build compiles (and says so)
     memo = (spec.name, lib.parent.name)
     with _loaded_lock:
         if memo not in _loaded:
