@@ -30,7 +30,10 @@ GRAPH_MAX_TOKENS = 256  # eager calls up to this size replay a graph (decode); l
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and (torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling())
+    # Compiling first: torch.compile's fullgraph mode cannot trace the capture query.
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _blocks(n: int) -> int:

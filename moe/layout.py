@@ -82,9 +82,11 @@ def _checked_ids(topk_ids: object, num_experts: object) -> tuple[torch.Tensor, i
 
 
 def _checking() -> bool:
-    # torch.cuda.is_current_stream_capturing() raises on a CPU build of torch, so ask only where CUDA exists.
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    return not (torch.compiler.is_compiling() or capturing)
+    # Compiling first: torch.compile's fullgraph mode cannot trace the capture query. That query raises on a
+    # CPU build of torch, so it is asked only where CUDA exists.
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _build(ids: torch.Tensor, num_experts: int, block_rows: int, capacity: int, num_rows: int, validate: bool):
