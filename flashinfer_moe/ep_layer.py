@@ -26,11 +26,13 @@ from . import _checks
 from .checkpoint import SafetensorsMapping
 from .comm.agreement import validate_collectively
 from .comm.alltoall import MoEAllToAll
+from .comm.collective import _permute_any
 from .graphs import ShapeGraphs
-from .layer import BLOCK, QUANTS, MoELayer, finite
+from .layer import BLOCK, QUANTS, MoELayer, _capturing, finite
 from .moe import gemm
 from .moe.fused import fused_moe
 from .moe.layout import moe_align_contiguous
+from .moe.packed import PackedFp8BlockWeights
 from .moe.permute import combine, permute, permute_fp8_per_token_group
 from .moe.quant import FLOATS, FP8, quantize_fp8_per_token_group
 from .moe.routing import route
@@ -40,10 +42,6 @@ __all__ = ["EPMoELayer"]
 
 MODES = ("auto", "high_throughput", "low_latency")
 PHASES = ("route", "dispatch", "experts", "combine", "shared")
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class EPMoELayer(nn.Module):
@@ -211,7 +209,13 @@ class EPMoELayer(nn.Module):
         self._graphs = None
         if cuda_graphs and device.type == "cuda" and self.backend in ("p2p", "local"):
             self._graphs = ShapeGraphs(lambda x, logits: self._forward(x, logits, "low_latency"))
-        self._shared_ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.shared is not None:
+            # The shared MLP as fused_moe's one expert of weight 1: its routing is a slice of these per call
+            # (buffers, so that they move with the layer; not in the state dict).
+            self.register_buffer("_shared_weights", torch.ones(max_tokens_per_rank, 1, device=device), False)
+            self.register_buffer(
+                "_shared_ids", torch.zeros(max_tokens_per_rank, 1, dtype=torch.int32, device=device), False
+            )
 
     def _build_comms(self, backend: str, timeout_s: float | None) -> None:
         """One all-to-all per mode that can run. In ``"auto"`` mode the low-latency one gets a process group of
@@ -375,8 +379,6 @@ class EPMoELayer(nn.Module):
         act = dict(activation=ex.activation, alpha=ex.alpha, limit=ex.limit)
         w13, w2 = ex.w13, ex.w2
         if ex.weights_packed:
-            from .moe.packed import PackedFp8BlockWeights
-
             w13, w2 = PackedFp8BlockWeights(w13, gated=True), PackedFp8BlockWeights(w2, gated=False)
         where = layout.tokens_per_expert if masked else layout
         if self.quant is None:
@@ -394,8 +396,6 @@ class EPMoELayer(nn.Module):
         if mode == "low_latency":
             layout, a, a_scale = got.layout, got.expert_hidden_states, got.expert_scales
         else:
-            from .comm.collective import _permute_any
-
             layout = moe_align_contiguous(got.topk_ids, self.experts_per_rank, 1, validate=False)
             a = _permute_any(got.hidden_states, layout)
             a_scale = _permute_any(got.scales, layout) if got.scales is not None else None
@@ -418,19 +418,9 @@ class EPMoELayer(nn.Module):
 
     # ------------------------------------------------------------------------------------ shared experts
 
-    def _shared_routing(self, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        cached = self._shared_ids.get(num_tokens)
-        if cached is None:
-            cached = (
-                torch.ones(num_tokens, 1, device=device),
-                torch.zeros(num_tokens, 1, dtype=torch.int32, device=device),
-            )
-            self._shared_ids[num_tokens] = cached
-        return cached
-
     def _shared_mlp(self, x: torch.Tensor) -> torch.Tensor:
         s = self.shared
-        weights, ids = self._shared_routing(x.shape[0], x.device)
+        weights, ids = self._shared_weights[: x.shape[0]], self._shared_ids[: x.shape[0]]
         return fused_moe(
             x, s.w13, s.w2, weights, ids, quant=self.quant, w13_scale=s.w13_scale, w2_scale=s.w2_scale,
             activation=s.activation, alpha=s.alpha, limit=s.limit, validate=False,
