@@ -22,6 +22,11 @@ from .ep_layer import EPMoELayer
 from .errors import CommTimeoutError, FlashInferMoEError, JitError, KernelLaunchError
 from .layer import MoELayer
 from .layout import ExpertLayout
+from .mla.append import mla_append_kv
+from .mla.attention import MLAAttention
+from .mla.decode import MLADecodePlan, mla_decode, mla_decode_plan
+from .mla.merge import merge_attn_states
+from .mla.prefill import mla_prefill
 from .moe.fused import fused_moe
 from .moe.gemm import (
     grouped_gemm_bf16_contiguous,
@@ -31,6 +36,7 @@ from .moe.gemm import (
     grouped_gemm_fp8_tensor_contiguous,
     grouped_gemm_fp8_tensor_masked,
 )
+from .moe.gemm_nvfp4 import grouped_gemm_nvfp4_contiguous, grouped_gemm_nvfp4_masked
 from .moe.layout import moe_align_contiguous, moe_align_masked
 from .moe.packed import PackedFp8BlockWeights, pack_fp8_block_weights
 from .moe.permute import combine, permute, permute_fp8_per_tensor, permute_fp8_per_token_group, permute_nvfp4
@@ -51,6 +57,8 @@ __all__ = [
     "FlashInferMoEError",
     "JitError",
     "KernelLaunchError",
+    "MLAAttention",
+    "MLADecodePlan",
     "MoELayer",
     "PackedFp8BlockWeights",
     "combine",
@@ -62,6 +70,13 @@ __all__ = [
     "grouped_gemm_fp8_block_masked",
     "grouped_gemm_fp8_tensor_contiguous",
     "grouped_gemm_fp8_tensor_masked",
+    "grouped_gemm_nvfp4_contiguous",
+    "grouped_gemm_nvfp4_masked",
+    "merge_attn_states",
+    "mla_append_kv",
+    "mla_decode",
+    "mla_decode_plan",
+    "mla_prefill",
     "moe_align_contiguous",
     "moe_align_masked",
     "pack_fp8_block_weights",

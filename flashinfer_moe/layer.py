@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from . import _checks
+from . import _checks, layer_nvfp4
 from .graphs import ShapeGraphs
 from .moe.fused import fused_moe
 from .moe.packed import ROWS, PackedFp8BlockWeights, pack_fp8_block_weights, repack_in_place
@@ -23,7 +23,7 @@ from .reference_quant import dequantize_fp8_block
 
 __all__ = ["MoELayer"]
 
-QUANTS = (None, "fp8_block", "fp8_tensor")
+QUANTS = (None, "fp8_block", "fp8_tensor", "nvfp4")
 BLOCK = 128
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 GRAPH_MAX_TOKENS = 256  # eager calls up to this size replay a graph (decode); larger ones are launch-bound no more
@@ -67,7 +67,9 @@ class MoELayer(nn.Module):
         routed_scaling_factor: multiplies the weighted sum of the experts' outputs, a positive finite float;
             None means 1.
         quant: ``None``, ``"fp8_block"`` (128 x 128 weight blocks, activations per token and 128 channels; ``H``
-            and ``I`` multiples of 128) or ``"fp8_tensor"`` (one scale per expert, activations per tensor).
+            and ``I`` multiples of 128), ``"fp8_tensor"`` (one scale per expert, activations per tensor) or
+            ``"nvfp4"`` (W4A16 with ModelOpt NVFP4 weights, ``H`` and ``I`` multiples of 32; parameters as
+            :mod:`flashinfer_moe.layer_nvfp4` makes them).
         static_activation_scales: with ``"fp8_tensor"``, hold static activation scales ``a13_scale`` and
             ``a2_scale`` (0-d fp32, loaded from the checkpoint's ``input_scale``) instead of computing them
             from each batch.
@@ -129,6 +131,8 @@ class MoELayer(nn.Module):
                 f"hidden_size and intermediate_size must be multiples of {BLOCK} with quant='fp8_block', "
                 f"got {h} and {i}"
             )
+        if quant == "nvfp4":
+            layer_nvfp4.check_sizes(h, i)
         if static_activation_scales and quant != "fp8_tensor":
             raise ValueError(f"static_activation_scales needs quant='fp8_tensor', got quant={quant!r}")
         if activation not in ("silu", "clamped_silu"):
@@ -155,10 +159,14 @@ class MoELayer(nn.Module):
         e = num_experts
         self.router_weight = param(e, h, dtype=params_dtype) if router else None
         self.correction_bias = param(e, dtype=torch.float32) if correction_bias else None
-        weight_dtype = params_dtype if quant is None else FP8
-        self.w13 = param(e, 2 * i, h, dtype=weight_dtype)
-        self.w2 = param(e, h, i, dtype=weight_dtype)
+        weight_dtype = params_dtype if quant is None else torch.uint8 if quant == "nvfp4" else FP8
+        per_byte = 2 if quant == "nvfp4" else 1  # two E2M1 codes per byte
+        self.w13 = param(e, 2 * i, h // per_byte, dtype=weight_dtype)
+        self.w2 = param(e, h, i // per_byte, dtype=weight_dtype)
         self.w13_scale = self.w2_scale = self.a13_scale = self.a2_scale = None
+        self.w13_global_scale = self.w2_global_scale = self.w13_input_scale = self.w2_input_scale = None
+        if quant == "nvfp4":
+            layer_nvfp4.add_parameters(self, e, h, i, device)
         if quant == "fp8_block":
             self.w13_scale = param(e, _blocks(2 * i), _blocks(h), dtype=torch.float32)
             self.w2_scale = param(e, _blocks(h), _blocks(i), dtype=torch.float32)
@@ -256,6 +264,8 @@ class MoELayer(nn.Module):
             w2_scale=self.w2_scale,
             a13_scale=self.a13_scale,
             a2_scale=self.a2_scale,
+            w13_global_scale=self.w13_global_scale,
+            w2_global_scale=self.w2_global_scale,
             activation=self.activation,
             alpha=self.alpha,
             limit=self.limit,
@@ -357,6 +367,8 @@ class MoELayer(nn.Module):
         or float8_e4m3fn with its scale: ``weight_scale_inv`` (128 x 128 blocks, `[ceil(N/128), ceil(K/128)]`
         fp32, DeepSeek-V3) or ``weight_scale`` (one value per tensor). With static activation scales, also
         ``input_scale`` of each projection. Other keys are ignored, and every value read must be finite.
+        An ``"nvfp4"`` layer takes ModelOpt NVFP4 as stored (see :mod:`flashinfer_moe.layer_nvfp4`) and
+        quantizes other weights on load.
 
         A checkpoint already in the layer's format is copied as stored (FP8 blocks into ``"fp8_block"``);
         higher precision is quantized (per 128 x 128 block, or per expert from the amax for ``"fp8_tensor"``);
@@ -397,6 +409,9 @@ class MoELayer(nn.Module):
             raise ValueError(
                 f"weights must hold every expert's gate/up/down weight; missing experts {absent}: got no {shown}"
             )
+        if self.quant == "nvfp4":
+            layer_nvfp4.load(self, weights, prefix, names)
+            return
         loaded = [
             {p: self._checked(weights, f"{prefix}{name}.{p}.", shapes[p]) for p in _PROJECTIONS} for name in names
         ]

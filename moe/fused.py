@@ -13,7 +13,7 @@ import torch
 
 from flashinfer_moe import _checks
 
-from . import gemm
+from . import gemm, gemm_nvfp4
 from .layout import moe_align_contiguous
 from .packed import PackedFp8BlockWeights
 from .permute import combine, permute, permute_fp8_per_tensor, permute_fp8_per_token_group
@@ -21,7 +21,7 @@ from .quant import FLOATS, FP8, quantize_fp8_per_tensor
 
 __all__ = ["fused_moe"]
 
-QUANTS = (None, "fp8_block", "fp8_tensor")
+QUANTS = (None, "fp8_block", "fp8_tensor", "nvfp4")
 
 
 def _weight(name: str, w: object, doc: str, quant: str | None, gated: bool) -> tuple[tuple[int, ...], torch.dtype]:
@@ -75,6 +75,8 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     a13_scale: torch.Tensor | None = None,
     a2_scale: torch.Tensor | None = None,
+    w13_global_scale: torch.Tensor | None = None,
+    w2_global_scale: torch.Tensor | None = None,
     activation: str = "silu",
     alpha: float = 1.702,
     limit: float = 7.0,
@@ -94,11 +96,17 @@ def fused_moe(
         topk_ids: `[T, k]` int32 expert ids in ``[0, E)``; -1 skips a slot.
         quant: ``None``; ``"fp8_block"`` (DeepSeek-V3: activations quantized per token and 128 channels,
             weights per 128 x 128 block, ``w13_scale [E, 2I/128, H/128]``, ``w2_scale [E, H/128, I/128]``);
-            or ``"fp8_tensor"`` (one scale per expert, ``w13_scale``/``w2_scale`` `[E]`; activations per
-            tensor, from ``a13_scale``/``a2_scale`` where given, else computed on the device).
+            ``"fp8_tensor"`` (one scale per expert, ``w13_scale``/``w2_scale`` `[E]`; activations per
+            tensor, from ``a13_scale``/``a2_scale`` where given, else computed on the device); or ``"nvfp4"``
+            (W4A16: ModelOpt NVFP4 weights ``w13`` `[E, 2I, H / 2]` and ``w2`` `[E, H, I / 2]` uint8 with E4M3
+            block scales ``w13_scale`` `[E, 2I, H / 16]`, ``w2_scale`` `[E, H, I / 16]` and fp32 global scales
+            ``w13_global_scale`` `[E]` or `[E, 2]` (gate, up) and ``w2_global_scale`` `[E]`; activations stay
+            bf16/fp16; ``H`` and ``I`` multiples of 32).
         w13_scale, w2_scale: weight scales as ``quant`` needs (float32).
         a13_scale, a2_scale: static per-tensor activation scales for ``"fp8_tensor"`` (e.g. a checkpoint's
             ``input_scale``), float32 one-element tensors (or positive finite floats).
+        w13_global_scale, w2_global_scale: the NVFP4 global scales (``weight_scale_2``), with ``"nvfp4"`` only;
+            checked positive and finite when ``validate``.
         activation: ``"silu"`` or ``"clamped_silu"`` (gpt-oss, with ``alpha`` and ``limit``: ``alpha`` finite,
             ``limit`` positive and finite).
         routed_scaling_factor: optional factor applied to the weighted sum, a positive finite float.
@@ -116,7 +124,14 @@ def fused_moe(
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if activation not in ("silu", "clamped_silu"):
         raise ValueError(f"activation must be 'silu' or 'clamped_silu', got {activation!r}")
-    num_experts, _ = _check_weights(quant, hidden, w13, w2, w13_scale, w2_scale)
+    if quant == "nvfp4":
+        gs = (w13_global_scale, w2_global_scale)
+        num_experts, nv13, nv2 = gemm_nvfp4.check_moe_weights(hidden, w13, w2, w13_scale, w2_scale, *gs)
+    else:
+        for name, s in (("w13_global_scale", w13_global_scale), ("w2_global_scale", w2_global_scale)):
+            if s is not None:
+                raise ValueError(f"{name} applies to quant='nvfp4' only, got a tensor with quant={quant!r}")
+        num_experts, _ = _check_weights(quant, hidden, w13, w2, w13_scale, w2_scale)
     if quant != "fp8_tensor" and (a13_scale is not None or a2_scale is not None):
         raise ValueError(f"a13_scale and a2_scale apply to quant='fp8_tensor' only, got quant={quant!r}")
     # The Python numbers, before any launch (the GEMMs and combine check them again where they are used);
@@ -134,11 +149,17 @@ def fused_moe(
     out_dtype = hidden.dtype
     act = dict(activation=activation, alpha=alpha, limit=limit)
 
+    if quant == "nvfp4" and validate:
+        gemm_nvfp4.check_global_scale_values(w13_global_scale=nv13[2], w2_global_scale=nv2[2])
     layout = moe_align_contiguous(topk_ids, num_experts, 1, validate=validate)  # R = T * k rows, no padding
     if quant is None:
         a = permute(hidden.to(w13.dtype), layout)  # [R, H]
         h1 = gemm.grouped_gemm_bf16_contiguous(a, w13, layout, **act)  # [R, I]
         y = gemm.grouped_gemm_bf16_contiguous(h1, w2, layout)  # [R, H]
+    elif quant == "nvfp4":
+        a = permute(hidden if hidden.dtype != torch.float32 else hidden.to(torch.bfloat16), layout)  # [R, H]
+        h1 = gemm_nvfp4.grouped_gemm_nvfp4_contiguous(a, *nv13, layout, validate=False, **act)  # [R, I]
+        y = gemm_nvfp4.grouped_gemm_nvfp4_contiguous(h1, *nv2, layout, validate=False)  # [R, H]
     elif quant == "fp8_block":
         a, a_scale = permute_fp8_per_token_group(hidden, layout)  # [R, H], [R, H/128]
         q1, s1 = gemm.grouped_gemm_fp8_block_contiguous(a, a_scale, w13, w13_scale, layout, quantize_output=True, **act)

@@ -141,6 +141,7 @@ def test_every_kernel_family_declares_its_minimum_arch():
         "comm": "70",
         "gemm_sm90": "90a",
         "gemm_sm90_wgmma": "90a",
+        "mla_append": "80",
         "permute": "80",
         "probe": "70",
         "quant": "80",

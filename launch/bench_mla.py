@@ -1,0 +1,334 @@
+"""Benchmark of the paged MLA decode (``mla_decode_plan`` + ``mla_decode``) against FlashMLA, torch SDPA and the
+HBM copy ceiling, all in the same run.
+
+    python launch/bench_mla.py [--quick] [--pages 64,1] [--caches bf16,fp8] [--markdown FILE] [--json FILE]
+    python launch/bench_mla.py --sweep [--classes 16x1,128x2] [--json FILE]
+
+Grid (FlashMLA's): batch 128, s_k 4096 / 8192 / 16384 and a varlen batch (lengths uniform in [1, 16384], fixed
+seed), h_q 16 / 32 / 64 / 128, s_q 1 / 2, causal; page 64 and page 1 (pages shuffled over the pool); bf16 cache
+and FP8 cache (``[P, page, 576]`` float8_e4m3fn, per-tensor scale). Per row: time (us), GB/s (cache bytes the
+sequences hold / time), TFLOP/s (``2 s_q h_q (576 + 512)`` per cached token).
+
+Baselines, per row where they apply: ``flashmla`` (``flash_mla.get_mla_metadata`` + ``flash_mla_with_kvcache``,
+bf16 page 64 only, metadata computed in every call as ours is), ``sdpa`` (``F.scaled_dot_product_attention``
+over the cache gathered into contiguous `[B, L, 576]` beforehand, not causal, only where the head-expanded
+keys stay under 8 GB), ``copy`` (a device-to-device copy of the same number of bytes: its time and the
+bytes read / that time).
+
+Everything is timed as medians of CUDA-graph replays (plan + decode in one graph; FlashMLA's metadata and
+combine kernels included). ``--sweep`` times kernel configurations (tokens per tile, warps, stages,
+programs per SM) per (h_q, s_q) class at s_k 8192, page 64, for ``mla/decode.py``'s ``CONFIGS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import require_gpus, time_graph  # noqa: E402
+
+if __name__ == "__main__":
+    require_gpus(1)
+
+from flashinfer_moe.mla import decode as D  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+DEV = "cuda"
+BATCH = 128
+SM_SCALE = 192**-0.5
+FP8_SCALE = 1.0 / 64
+
+
+def flashmla():
+    try:
+        import flash_mla
+
+        return flash_mla
+    except ImportError:
+        return None
+
+
+class Cache:
+    """A shuffled paged pool holding ``lens`` tokens, bf16 or FP8, with its block table."""
+
+    def __init__(self, lens: list[int], page: int, dtype: torch.dtype, gen: torch.Generator):
+        pages_of = [-(-n // page) for n in lens]
+        num_pages = sum(pages_of)
+        perm = torch.randperm(num_pages, generator=gen).to(torch.int32)
+        self.block_table = torch.zeros(len(lens), max(pages_of), dtype=torch.int32)
+        start = 0
+        for b, n in enumerate(pages_of):
+            self.block_table[b, :n] = perm[start : start + n]
+            start += n
+        self.block_table = self.block_table.to(DEV)
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        kv = torch.empty(num_pages, page, 576, dtype=torch.bfloat16, device=DEV).normal_()
+        self.kv = _to_fp8(kv) if dtype == FP8 else kv
+        self.bytes = sum(lens) * 576 * self.kv.element_size()
+        self.lens = lens
+        self.page = page
+
+    def gathered(self) -> torch.Tensor | None:
+        """`[B, L, 576]` bf16 (equal lengths only)."""
+        if len(set(self.lens)) != 1:
+            return None
+        b, length = len(self.lens), self.lens[0]
+        pos = torch.arange(length, device=DEV)
+        rows = self.block_table[:, pos // self.page].long() * self.page + (pos % self.page)
+        return self.kv.view(-1, 576)[rows.reshape(-1)].reshape(b, length, 576)
+
+
+def _to_fp8(kv: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(kv.shape, dtype=FP8, device=DEV)
+    for p0 in range(0, kv.shape[0], 1024):
+        out[p0 : p0 + 1024] = (kv[p0 : p0 + 1024].float() / FP8_SCALE).to(FP8)
+    return out
+
+
+def queries(heads: int, s_q: int, gen_seed: int = 0):
+    g = torch.Generator(device=DEV).manual_seed(gen_seed)
+    q_nope = torch.randn(BATCH, s_q, heads, 512, generator=g, device=DEV, dtype=torch.bfloat16)
+    q_pe = torch.randn(BATCH, s_q, heads, 64, generator=g, device=DEV, dtype=torch.bfloat16)
+    return q_nope, q_pe
+
+
+def time_ours(cache: Cache, q_nope, q_pe, config: dict | None = None) -> float:
+    s_q, heads = q_nope.shape[1], q_nope.shape[2]
+    scale = torch.tensor([FP8_SCALE], device=DEV) if cache.kv.dtype == FP8 else None
+    out = torch.empty_like(q_nope)
+    if config is None:
+        plan = D.mla_decode_plan(cache.seq_lens, s_q, heads)
+
+        def fn(i):
+            D.mla_decode_plan(cache.seq_lens, s_q, heads, out=plan)
+            D.mla_decode(
+                q_nope, q_pe, cache.kv, cache.block_table, cache.seq_lens, SM_SCALE, kv_scale=scale, plan=plan, out=out
+            )
+    else:
+        rows = s_q * heads
+        block_m = D.block_m_for(rows)
+        programs = max(1, D._sm_count(0) * config["ctas_per_sm"] // -(-rows // block_m))
+        plan = D.make_plan(cache.seq_lens, s_q, heads, programs, block_m)
+        kv = cache.kv
+
+        def fn(i):
+            torch.ops.flashinfer_moe.mla_decode_plan_(cache.seq_lens, plan.sched, programs)
+            torch.ops.flashinfer_moe.mla_decode_(
+                q_nope,
+                q_pe,
+                kv,
+                kv[..., 512:],
+                cache.block_table,
+                cache.seq_lens,
+                plan.sched,
+                plan.part_out,
+                plan.part_lse,
+                out,
+                None,
+                SM_SCALE,
+                scale,
+                1.0,
+                True,
+                programs,
+                block_m,
+                config["BLOCK_N"],
+                config["num_warps"],
+                config["num_stages"],
+            )
+
+    return time_graph(fn, calls=10, reps=10)
+
+
+def time_flashmla(fm, cache: Cache, q_nope, q_pe) -> float | None:
+    if fm is None or cache.page != 64 or cache.kv.dtype != torch.bfloat16:
+        return None
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    k_cache = cache.kv.unsqueeze(2)  # [P, 64, 1, 576]
+
+    def fn(i):
+        meta, _ = fm.get_mla_metadata()
+        fm.flash_mla_with_kvcache(
+            q, k_cache, cache.block_table, cache.seq_lens, 512, meta, None, softmax_scale=SM_SCALE, causal=True
+        )
+
+    try:
+        return time_graph(fn, calls=10, reps=10)
+    except Exception as e:  # a FlashMLA build that does not run here is a missing baseline, not a failure
+        print(f"flashmla failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def time_sdpa(k: torch.Tensor | None, q_nope, q_pe) -> float | None:
+    if k is None or k.numel() * q_nope.shape[2] * 2 > 8e9:
+        return None
+    q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, Hq, s_q, 576]
+    kk, vv = k[:, None], k[:, None, :, :512]
+
+    def fn(i):
+        return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, scale=SM_SCALE, enable_gqa=True)
+
+    try:
+        return time_graph(fn, calls=5, reps=5)
+    except Exception as e:
+        print(f"sdpa failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        return None
+
+
+_copy_us: dict[int, float] = {}
+
+
+def time_copy(nbytes: int) -> float:
+    if nbytes not in _copy_us:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
+        dst = torch.empty_like(src)
+        _copy_us[nbytes] = time_graph(lambda i: dst.copy_(src), calls=10, reps=10)
+    return _copy_us[nbytes]
+
+
+def varlen(gen: torch.Generator) -> list[int]:
+    return torch.randint(1, 16385, (BATCH,), generator=gen).tolist()
+
+
+def bench(args) -> list[dict]:
+    fm = None if args.no_flashmla else flashmla()
+    print(f"# {torch.cuda.get_device_name()}; FlashMLA {'found' if fm else 'not found'}", flush=True)
+    heads_list = [int(h) for h in args.heads.split(",")]
+    s_q_list = [int(s) for s in args.s_q.split(",")]
+    lengths = ["4096", "8192", "16384", "varlen"] if not args.quick else ["4096", "varlen"]
+    header = (
+        f"{'cache':>5} {'page':>4} {'s_k':>7} {'h_q':>4} {'s_q':>3} {'us':>8} {'GB/s':>6} {'TFLOP/s':>7} "
+        f"{'flashmla':>8} {'x fmla':>6} {'sdpa':>8} {'copy us':>7} {'of copy':>7}"
+    )
+    print(header, flush=True)
+    rows = []
+    for s_k in lengths:
+        lens = varlen(torch.Generator().manual_seed(1)) if s_k == "varlen" else [int(s_k)] * BATCH
+        for cache_name in args.caches.split(","):
+            dtype = FP8 if cache_name == "fp8" else torch.bfloat16
+            for page in [int(p) for p in args.pages.split(",")]:
+                cache = Cache(lens, page, dtype, torch.Generator().manual_seed(0))
+                gathered = cache.gathered() if args.sdpa and dtype == torch.bfloat16 and page == 64 else None
+                copy_us = time_copy(cache.bytes)
+                for heads, s_q in itertools.product(heads_list, s_q_list):
+                    q_nope, q_pe = queries(heads, s_q)
+                    us = time_ours(cache, q_nope, q_pe)
+                    f_us = time_flashmla(fm, cache, q_nope, q_pe)
+                    s_us = time_sdpa(gathered, q_nope, q_pe)
+                    flops = 2 * s_q * heads * (576 + 512) * sum(lens)
+                    row = dict(
+                        cache=cache_name,
+                        page=page,
+                        s_k=s_k,
+                        h_q=heads,
+                        s_q=s_q,
+                        us=us,
+                        gbps=cache.bytes / us / 1e3,
+                        tflops=flops / us / 1e6,
+                        flashmla_us=f_us,
+                        sdpa_us=s_us,
+                        copy_us=copy_us,
+                        bytes=cache.bytes,
+                    )
+                    row["of_copy"] = copy_us / us
+                    rows.append(row)
+                    fmla = f"{f_us:8.1f} {f_us / us:6.2f}" if f_us else f"{'-':>8} {'-':>6}"
+                    sdpa = f"{s_us:8.1f}" if s_us else f"{'-':>8}"
+                    print(
+                        f"{cache_name:>5} {page:>4} {s_k:>7} {heads:>4} {s_q:>3} {us:8.1f} {row['gbps']:6.0f} "
+                        f"{row['tflops']:7.1f} {fmla} {sdpa} {copy_us:7.1f} {row['of_copy']:7.2f}",
+                        flush=True,
+                    )
+                del cache, gathered
+                torch.cuda.empty_cache()
+    return rows
+
+
+SWEEP = [
+    dict(BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1),
+    dict(BLOCK_N=32, num_warps=8, num_stages=3, ctas_per_sm=1),
+    dict(BLOCK_N=16, num_warps=8, num_stages=3, ctas_per_sm=1),
+    dict(BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1),
+    dict(BLOCK_N=32, num_warps=4, num_stages=2, ctas_per_sm=1),
+    dict(BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=2),
+]
+
+
+def sweep(args) -> list[dict]:
+    classes = [tuple(int(x) for x in c.split("x")) for c in args.classes.split(",")]
+    rows = []
+    for cache_name in args.caches.split(","):
+        dtype = FP8 if cache_name == "fp8" else torch.bfloat16
+        cache = Cache([8192] * BATCH, 64, dtype, torch.Generator().manual_seed(0))
+        for heads, s_q in classes:
+            q_nope, q_pe = queries(heads, s_q)
+            best = None
+            for config in SWEEP:
+                try:
+                    us = time_ours(cache, q_nope, q_pe, config)
+                except Exception as e:  # out of shared memory, registers: the config does not fit
+                    print(f"{cache_name} h{heads} s{s_q} {config}: {type(e).__name__} {str(e)[:120]}", flush=True)
+                    continue
+                rows.append(dict(cache=cache_name, h_q=heads, s_q=s_q, us=us, gbps=cache.bytes / us / 1e3, **config))
+                print(
+                    f"{cache_name} h{heads} s{s_q} BLOCK_M {D.block_m_for(heads * s_q)} {config}: {us:.1f} us "
+                    f"{cache.bytes / us / 1e3:.0f} GB/s",
+                    flush=True,
+                )
+                if best is None or us < best[0]:
+                    best = (us, config)
+            if best:
+                print(
+                    f"BEST {cache_name} h{heads} s{s_q} (BLOCK_M {D.block_m_for(heads * s_q)}): {best[1]} "
+                    f"{best[0]:.1f} us",
+                    flush=True,
+                )
+        del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| cache | page | s_k | h_q | s_q | us | GB/s | TFLOP/s | FlashMLA us | FlashMLA / ours | SDPA us | copy us | copy / ours |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        f = f"{r['flashmla_us']:.1f} | {r['flashmla_us'] / r['us']:.2f}x" if r["flashmla_us"] else "- | -"
+        s = f"{r['sdpa_us']:.1f}" if r["sdpa_us"] else "-"
+        lines.append(
+            f"| {r['cache']} | {r['page']} | {r['s_k']} | {r['h_q']} | {r['s_q']} | {r['us']:.1f} | "
+            f"{r['gbps']:.0f} | {r['tflops']:.1f} | {f} | {s} | {r['copy_us']:.1f} | {r['of_copy']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pages", default="64,1")
+    parser.add_argument("--caches", default="bf16,fp8")
+    parser.add_argument("--heads", default="16,32,64,128")
+    parser.add_argument("--s-q", default="1,2")
+    parser.add_argument("--quick", action="store_true", help="s_k 4096 and varlen only")
+    parser.add_argument("--no-flashmla", action="store_true")
+    parser.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--sweep", action="store_true", help="time kernel configurations instead of the grid")
+    parser.add_argument("--classes", default="16x1,16x2,64x1,128x2", help="sweep: h_q x s_q classes")
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows = sweep(args) if args.sweep else bench(args)
+    if args.markdown and not args.sweep:
+        args.markdown.write_text(markdown(rows))
+    if args.json:
+        args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

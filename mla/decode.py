@@ -1,0 +1,517 @@
+"""Paged MLA decode (the absorbed form of DeepSeek-V2/V3's attention) over a latent cache of bf16/fp16 or FP8
+pages, with split-KV scheduled on the device.
+
+A decode step is two calls, both host-sync free and CUDA-graph capturable::
+
+    plan = mla_decode_plan(seq_lens, s_q, num_heads)        # split-KV schedule + workspace, on the device
+    out = mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, sm_scale, plan=plan)
+
+The plan depends on the values of ``seq_lens``: recompute it (into the same buffers, ``out=plan``) whenever they
+change, e.g. both calls inside the captured graph. Sizes depend only on the batch, ``s_q`` and the head count.
+
+Dimension legend: ``B`` sequences, ``s_q`` new tokens per sequence (1..8), ``Hq`` query heads, ``P`` pages of
+the pool, ``page`` tokens per page (1, 16, 32, 64 or 128). Latent width 512, rope width 64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import torch
+
+from flashinfer_moe import _checks
+from flashinfer_moe import reference_mla as ref
+from flashinfer_moe._ops import LIB, on_device
+
+__all__ = ["MLADecodePlan", "mla_decode", "mla_decode_plan"]
+
+FP8 = torch.float8_e4m3fn
+Q_DTYPES = (torch.bfloat16, torch.float16)
+PAGE_SIZES = (1, 16, 32, 64, 128)
+MAX_S_Q = 8
+D_LATENT, D_ROPE = ref.LATENT, ref.ROPE
+UNIT, OVERHEAD = 64, 2  # the schedule's cost model (mla/decode_kernel.py)
+CPU_NUM_SMS = 8  # the schedule's program count where there are no SMs (the CPU path ignores it)
+
+# Kernel configuration per row block (``BLOCK_M`` (new token, head) rows per program): tokens per tile, warps,
+# pipeline stages, and programs per SM that the schedule plans for. FP8 rows may differ (key ``(BLOCK_M, True)``).
+# Chosen from sm_90a builds without spills where one exists (BLOCK_M 64 spills ~600 bytes in all tried); to be
+# confirmed by launch/bench_mla.py --sweep on the GPU.
+CONFIGS: dict[tuple[int, bool], dict[str, int]] = {
+    (block_m, fp8): dict(BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1)
+    for block_m in (16, 32, 64)
+    for fp8 in (False, True)
+}
+
+LIB.define("mla_decode_plan_(Tensor seq_lens, Tensor(a!) sched, int num_programs) -> ()")
+LIB.define(
+    "mla_decode_(Tensor q_nope, Tensor q_pe, Tensor ckv, Tensor kpe, Tensor block_table, Tensor seq_lens, "
+    "Tensor sched, Tensor(a!) part_out, Tensor(b!) part_lse, Tensor(c!) out, Tensor(d!)? lse, float sm_scale, "
+    "Tensor? kv_scale_tensor, float kv_scale, bool causal, int num_programs, int block_m, int block_n, "
+    "int num_warps, int num_stages) -> ()"
+)
+
+
+def _on(t: torch.Tensor):
+    """``on_device`` for a GPU tensor; nothing for a CPU one (the Triton interpreter's tests call the CUDA
+    implementations on CPU tensors)."""
+    return on_device(t) if t.is_cuda else contextlib.nullcontext()
+
+
+def _plan_cpu(seq_lens, sched, num_programs):
+    s = ref.mla_decode_split_plan(seq_lens, num_programs, UNIT, OVERHEAD)
+    batch = seq_lens.shape[0]
+    sched[0], sched[1] = s["chunk"], s["total"]
+    for i, key in enumerate(("starts", "ends", "splits", "slot")):
+        sched[2 + i * batch : 2 + (i + 1) * batch] = s[key].to(torch.int32)
+    sched[2 + 4 * batch :] = s["first_seq"].to(torch.int32)
+
+
+def _plan_cuda(seq_lens, sched, num_programs):
+    from . import decode_kernel
+
+    with _on(seq_lens):
+        decode_kernel.launch_plan(seq_lens, sched, num_programs)
+
+
+def _decode_cpu(
+    q_nope,
+    q_pe,
+    ckv,
+    kpe,
+    block_table,
+    seq_lens,
+    sched,
+    part_out,
+    part_lse,
+    out,
+    lse,
+    sm_scale,
+    kv_scale_tensor,
+    kv_scale,
+    causal,
+    num_programs,
+    block_m,
+    block_n,
+    num_warps,
+    num_stages,
+):
+    scale = float(kv_scale_tensor.reshape(())) if kv_scale_tensor is not None else kv_scale
+    o, s = ref.mla_decode(
+        q_nope,
+        q_pe,
+        ckv[..., :D_LATENT],
+        block_table,
+        seq_lens,
+        sm_scale,
+        kpe_cache=kpe,
+        kv_scale=scale,
+        causal=causal,
+        compute_dtype=torch.float32,
+    )
+    out.copy_(o)
+    if lse is not None:
+        lse.copy_(s)
+
+
+def _decode_cuda(
+    q_nope,
+    q_pe,
+    ckv,
+    kpe,
+    block_table,
+    seq_lens,
+    sched,
+    part_out,
+    part_lse,
+    out,
+    lse,
+    sm_scale,
+    kv_scale_tensor,
+    kv_scale,
+    causal,
+    num_programs,
+    block_m,
+    block_n,
+    num_warps,
+    num_stages,
+):
+    from . import decode_kernel
+
+    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    scale = kv_scale_tensor if kv_scale_tensor is not None else kv_scale
+    with _on(q_nope):
+        decode_kernel.launch_decode(
+            q_nope,
+            q_pe,
+            ckv,
+            kpe,
+            block_table,
+            seq_lens,
+            sched,
+            part_out,
+            part_lse,
+            out,
+            lse,
+            sm_scale,
+            scale,
+            causal,
+            num_programs,
+            config,
+        )
+
+
+for _name, _cpu, _cuda in (("mla_decode_plan_", _plan_cpu, _plan_cuda), ("mla_decode_", _decode_cpu, _decode_cuda)):
+    LIB.impl(_name, _cpu, "CPU")
+    LIB.impl(_name, _cuda, "CUDA")
+    torch.library.register_fake(f"flashinfer_moe::{_name}", lambda *args: None, lib=LIB)
+
+# What the public functions call; the CPU tier points them at the CUDA implementations to run the Triton
+# kernels in the interpreter on CPU tensors.
+_plan_op = torch.ops.flashinfer_moe.mla_decode_plan_
+_decode_op = torch.ops.flashinfer_moe.mla_decode_
+
+
+# ------------------------------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass(frozen=True)
+class MLADecodePlan:
+    """The split-KV schedule of one decode step and the workspace of its split sequences.
+
+    Attributes:
+        batch, s_q, num_heads: the shapes the plan serves.
+        num_programs: attention programs per row block; also the most pieces one sequence is split into.
+        block_m: (new token, head) rows per program.
+        sched: `[2 + 4 B + num_programs]` int32 schedule (layout in ``mla/decode_kernel.py``).
+        part_out: `[S, s_q * Hq, 512]` fp32 partial outputs of split sequences (``S`` slots).
+        part_lse: `[S, s_q * Hq]` fp32 their log2-sum-exp2.
+    """
+
+    batch: int
+    s_q: int
+    num_heads: int
+    num_programs: int
+    block_m: int
+    sched: torch.Tensor
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.sched.device
+
+
+def block_m_for(rows: int) -> int:
+    """Rows per program for ``rows = s_q * Hq``: 16 and 32 fit the smallest tensor-core tiles; more take 64."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def make_plan(seq_lens: torch.Tensor, s_q: int, num_heads: int, num_programs: int, block_m: int) -> MLADecodePlan:
+    """A plan with an explicit program count and row block (the public call derives both); allocates."""
+    batch, rows = seq_lens.shape[0], s_q * num_heads
+    # Every chunk boundary splits at most one sequence, and a split sequence holds at least one boundary.
+    slots = max(1, min(batch + num_programs - 1, 2 * (num_programs - 1)))
+    dev = seq_lens.device
+    plan = MLADecodePlan(
+        batch,
+        s_q,
+        num_heads,
+        num_programs,
+        block_m,
+        torch.empty(2 + 4 * batch + num_programs, dtype=torch.int32, device=dev),
+        torch.empty(slots, rows, D_LATENT, dtype=torch.float32, device=dev),
+        torch.empty(slots, rows, dtype=torch.float32, device=dev),
+    )
+    _plan_op(seq_lens, plan.sched, num_programs)
+    return plan
+
+
+def _seq_lens(seq_lens: object) -> torch.Tensor:
+    seq_lens = _checks.tensor("seq_lens", seq_lens)
+    _checks.ndim("seq_lens", seq_lens, 1, "[B]")
+    _checks.dtype_in("seq_lens", seq_lens, (torch.int32,))
+    if seq_lens.shape[0] == 0:
+        raise ValueError("seq_lens must hold at least one sequence, got shape (0,)")
+    return seq_lens.contiguous()
+
+
+def mla_decode_plan(
+    seq_lens: torch.Tensor,
+    s_q: int,
+    num_heads: int,
+    *,
+    num_sms: int | None = None,
+    max_splits: int | None = None,
+    out: MLADecodePlan | None = None,
+) -> MLADecodePlan:
+    """The split-KV schedule of a decode step, computed on the device from ``seq_lens`` (one kernel, no host
+    sync, capturable in a CUDA graph), with the workspace that :func:`mla_decode` writes split sequences'
+    partial results to.
+
+    Sequences' costs are balanced over a fixed number of programs: long sequences are split, many short ones
+    share a program. The sizes depend only on ``B``, ``s_q`` and ``num_heads``, so a graph that captured this
+    call and :func:`mla_decode` replays with new ``seq_lens`` values.
+
+    Args:
+        seq_lens: `[B]` int32 cached tokens per sequence (the new ones included).
+        s_q: new tokens per sequence, 1..8.
+        num_heads: query heads ``Hq``.
+        num_sms: SMs to plan for; default the device's (8 on a CPU).
+        max_splits: the most pieces one sequence may be split into (caps the program count).
+        out: an earlier plan of the same ``B``, ``s_q``, ``num_heads`` and device to refill in place (no
+            allocation); its program count is kept.
+
+    Returns:
+        The :class:`MLADecodePlan`.
+    """
+    seq_lens = _seq_lens(seq_lens)
+    s_q = _checks.integer("s_q", s_q, 1, MAX_S_Q)
+    num_heads = _checks.integer("num_heads", num_heads, 1)
+    if out is not None:
+        if not isinstance(out, MLADecodePlan):
+            raise TypeError(f"out must be an MLADecodePlan, got {type(out).__name__}")
+        got = (out.batch, out.s_q, out.num_heads, out.device)
+        want = (seq_lens.shape[0], s_q, num_heads, seq_lens.device)
+        if got != want:
+            raise ValueError(f"out must be a plan for (B, s_q, num_heads, device) = {want}, got {got}")
+        _plan_op(seq_lens, out.sched, out.num_programs)
+        return out
+    if num_sms is None:
+        num_sms = _sm_count(seq_lens.device.index or 0) if seq_lens.is_cuda else CPU_NUM_SMS
+    num_sms = _checks.integer("num_sms", num_sms, 1)
+    block_m = block_m_for(s_q * num_heads)
+    row_blocks = -(-s_q * num_heads // block_m)
+    programs = max(1, num_sms * CONFIGS[(block_m, False)]["ctas_per_sm"] // row_blocks)
+    if max_splits is not None:
+        programs = min(programs, _checks.integer("max_splits", max_splits, 1))
+    return make_plan(seq_lens, s_q, num_heads, programs, block_m)
+
+
+# ----------------------------------------------------------------------------------------------- decode
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _queries(q_nope: object, q_pe: object) -> tuple[torch.Tensor, torch.Tensor]:
+    q_nope = _checks.tensor("q_nope", q_nope)
+    _checks.ndim("q_nope", q_nope, 4, "[B, s_q, Hq, 512]")
+    _checks.dtype_in("q_nope", q_nope, Q_DTYPES)
+    batch, s_q, heads, width = q_nope.shape
+    if width != D_LATENT:
+        raise ValueError(f"q_nope must have head dim 512 (the latent width), got shape {tuple(q_nope.shape)}")
+    if not 1 <= s_q <= MAX_S_Q:
+        raise ValueError(f"q_nope must have 1 <= s_q <= {MAX_S_Q} new tokens (dim 1), got shape {tuple(q_nope.shape)}")
+    if batch == 0 or heads == 0:
+        raise ValueError(f"q_nope must have at least one sequence and head, got shape {tuple(q_nope.shape)}")
+    _checks.unit_last_stride("q_nope", q_nope)
+    q_pe = _checks.tensor("q_pe", q_pe)
+    _checks.ndim("q_pe", q_pe, 4, "[B, s_q, Hq, 64]")
+    if tuple(q_pe.shape) != (batch, s_q, heads, D_ROPE):
+        raise ValueError(f"q_pe must have shape {(batch, s_q, heads, D_ROPE)} (rope dim 64), got {tuple(q_pe.shape)}")
+    if q_pe.dtype != q_nope.dtype:
+        raise TypeError(f"q_pe must have the dtype of q_nope ({_name(q_nope.dtype)}), got {_name(q_pe.dtype)}")
+    _checks.same_device("q_pe", q_pe, "q_nope", q_nope)
+    _checks.unit_last_stride("q_pe", q_pe)
+    return q_nope, q_pe
+
+
+def _caches(kv_cache: object, kpe_cache: object, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ckv, kpe)``: the latent pages (whose first 512 columns the kernel reads) and the rope pages (a view
+    of ``kv_cache``'s last 64 columns for the one-tensor layout)."""
+    kv_cache = _checks.tensor("kv_cache", kv_cache)
+    _checks.ndim("kv_cache", kv_cache, 3, "[P, page, 576] or [P, page, 512]")
+    _checks.dtype_in("kv_cache", kv_cache, (q.dtype, FP8))
+    _checks.same_device("kv_cache", kv_cache, "q_nope", q)
+    num_pages, page, width = kv_cache.shape
+    if page not in PAGE_SIZES:
+        raise ValueError(f"kv_cache must have a page size (dim 1) in {PAGE_SIZES}, got shape {tuple(kv_cache.shape)}")
+    if num_pages == 0:
+        raise ValueError(f"kv_cache must hold at least one page, got shape {tuple(kv_cache.shape)}")
+    want = D_LATENT + D_ROPE if kpe_cache is None else D_LATENT
+    if width != want:
+        layout = "[P, page, 576] (no kpe_cache)" if kpe_cache is None else "[P, page, 512] (with kpe_cache)"
+        raise ValueError(f"kv_cache must be {layout}, got shape {tuple(kv_cache.shape)}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache must be contiguous in its last dimension, got strides {tuple(kv_cache.stride())}")
+    if kpe_cache is None:
+        return kv_cache, kv_cache[..., D_LATENT:]
+    kpe_cache = _checks.tensor("kpe_cache", kpe_cache)
+    _checks.ndim("kpe_cache", kpe_cache, 3, "[P, page, 64]")
+    if tuple(kpe_cache.shape) != (num_pages, page, D_ROPE):
+        raise ValueError(f"kpe_cache must have shape {(num_pages, page, D_ROPE)}, got {tuple(kpe_cache.shape)}")
+    allowed = (kv_cache.dtype, q.dtype) if kv_cache.dtype == FP8 else (kv_cache.dtype,)
+    _checks.dtype_in("kpe_cache", kpe_cache, allowed)
+    _checks.same_device("kpe_cache", kpe_cache, "q_nope", q)
+    if kpe_cache.stride(-1) != 1:
+        raise ValueError(f"kpe_cache must be contiguous in its last dimension, got strides {tuple(kpe_cache.stride())}")
+    return kv_cache, kpe_cache
+
+
+def _table(block_table: object, seq_lens: object, q: torch.Tensor, page: int, validate: bool):
+    block_table = _checks.tensor("block_table", block_table)
+    _checks.ndim("block_table", block_table, 2, "[B, max_pages]")
+    _checks.dtype_in("block_table", block_table, (torch.int32,))
+    _checks.same_device("block_table", block_table, "q_nope", q)
+    batch = q.shape[0]
+    if block_table.shape[0] != batch or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must have shape ({batch}, max_pages >= 1), got {tuple(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be contiguous in its last dimension, got {tuple(block_table.stride())}")
+    seq_lens = _seq_lens(seq_lens)
+    if seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens must have shape ({batch},) (B of q_nope), got {tuple(seq_lens.shape)}")
+    _checks.same_device("seq_lens", seq_lens, "q_nope", q)
+    # Reading values costs a host sync on a GPU: there, only on request.
+    if validate or not seq_lens.is_cuda:
+        capacity = block_table.shape[1] * page
+        longest = int(seq_lens.max())
+        if longest > capacity:
+            raise ValueError(
+                f"seq_lens must fit the block table ({block_table.shape[1]} pages of {page} = {capacity} tokens), "
+                f"got a sequence of {longest}"
+            )
+    return block_table, seq_lens
+
+
+def _scale(kv_scale: object, fp8: bool, q: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+    if not fp8:
+        return None, 1.0  # bf16/fp16 pages have no scale; a caller's 1.0 (or any value) is not applied
+    if kv_scale is None:
+        raise ValueError(
+            "kv_scale must be given for an FP8 kv_cache (real = stored * kv_scale; 1.0 for none), got None"
+        )
+    if isinstance(kv_scale, torch.Tensor):
+        _checks.dtype_in("kv_scale", kv_scale, (torch.float32,))
+        _checks.same_device("kv_scale", kv_scale, "q_nope", q)
+        if kv_scale.numel() != 1:
+            raise ValueError(f"kv_scale must hold one value, got shape {tuple(kv_scale.shape)}")
+        return kv_scale.reshape(1), 1.0
+    return None, _checks.positive_float("kv_scale", kv_scale, "a float or a float32 tensor")
+
+
+def _outputs(out: object, lse: object, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    batch, s_q, heads, _ = q.shape
+    if out is None:
+        out = torch.empty(batch, s_q, heads, D_LATENT, dtype=q.dtype, device=q.device)
+    else:
+        out = _checks.tensor("out", out)
+        if tuple(out.shape) != (batch, s_q, heads, D_LATENT) or out.dtype != q.dtype:
+            raise ValueError(
+                f"out must be {_name(q.dtype)} of shape {(batch, s_q, heads, D_LATENT)}, "
+                f"got {_name(out.dtype)} {tuple(out.shape)}"
+            )
+        _checks.same_device("out", out, "q_nope", q)
+        _checks.unit_last_stride("out", out)
+    if lse is not None:
+        lse = _checks.tensor("lse", lse)
+        if tuple(lse.shape) != (batch, s_q, heads) or lse.dtype != torch.float32:
+            raise ValueError(
+                f"lse must be float32 of shape {(batch, s_q, heads)}, got {_name(lse.dtype)} {tuple(lse.shape)}"
+            )
+        _checks.same_device("lse", lse, "q_nope", q)
+    return out, lse
+
+
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    kpe_cache: torch.Tensor | None = None,
+    kv_scale: float | torch.Tensor | None = None,
+    causal: bool = True,
+    plan: MLADecodePlan | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool = False,
+):
+    """MLA decode, absorbed form, over a paged latent cache: per head ``softmax(sm_scale * (q_nope . ckv +
+    q_pe . kpe)) . ckv``, reading bf16/fp16 or FP8 pages directly (FP8 is widened in registers; no dequantized
+    copy of the cache).
+
+    Query ``i`` of the ``s_q`` new tokens (already in the cache, its last ``s_q`` positions) sees positions
+    ``< seq_len - s_q + i + 1`` when ``causal``, all ``seq_len`` otherwise. A query that sees no position (e.g.
+    ``seq_len`` 0) gets output 0 and LSE -inf. With ``plan`` and ``out`` given the call allocates nothing.
+
+    Args:
+        q_nope: `[B, s_q, Hq, 512]` bf16 or fp16, the queries projected into the latent space; ``s_q`` <= 8.
+        q_pe: `[B, s_q, Hq, 64]` same dtype, the rope part.
+        kv_cache: `[P, page, 576]` (512 latent then 64 rope) or, with ``kpe_cache``, `[P, page, 512]`; the
+            queries' dtype or float8_e4m3fn; page in (1, 16, 32, 64, 128); unit stride in the last dimension
+            (page and token strides are free, e.g. one layer's slice of a larger pool).
+        block_table: `[B, max_pages]` int32 page ids of each sequence.
+        seq_lens: `[B]` int32 cached tokens per sequence, the ``s_q`` new ones included.
+        sm_scale: the scores' scale (e.g. ``192 ** -0.5`` for DeepSeek-V3, times any YaRN factor).
+        kpe_cache: `[P, page, 64]` rope pages for the two-tensor layout; the latent's dtype, or bf16/fp16 (the
+            queries' dtype) beside FP8 latent pages.
+        kv_scale: for FP8 pages, the per-tensor dequantization factor (``real = stored * kv_scale``, SGLang's
+            ``k_scale``): a float, or a 1-element float32 tensor on the device (for CUDA graphs); it applies
+            to FP8 rope pages too. Required for FP8, ignored otherwise.
+        causal: the mask among the new tokens (False: every query sees all ``seq_len`` positions).
+        plan: from :func:`mla_decode_plan` for these ``seq_lens`` values; computed here when None.
+        out: `[B, s_q, Hq, 512]` output buffer in the queries' dtype.
+        lse: `[B, s_q, Hq]` float32 buffer for the log-sum-exp (natural log) of the scaled scores.
+        return_lse: also return the LSE (allocated unless ``lse`` is given).
+        validate: check on a GPU that ``seq_lens`` fit the block table (a host sync; always done on a CPU).
+
+    Returns:
+        ``out`` `[B, s_q, Hq, 512]`, or ``(out, lse)`` when ``return_lse`` or ``lse`` is given.
+    """
+    q_nope, q_pe = _queries(q_nope, q_pe)
+    ckv, kpe = _caches(kv_cache, kpe_cache, q_nope)
+    block_table, seq_lens = _table(block_table, seq_lens, q_nope, ckv.shape[1], validate)
+    sm_scale = _checks.positive_float("sm_scale", sm_scale)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    scale_tensor, scale_value = _scale(kv_scale, ckv.dtype == FP8, q_nope)
+    if return_lse and lse is None:
+        lse = torch.empty(q_nope.shape[:3], dtype=torch.float32, device=q_nope.device)
+    out, lse = _outputs(out, lse, q_nope)
+    batch, s_q, heads, _ = q_nope.shape
+    if plan is None:
+        plan = mla_decode_plan(seq_lens, s_q, heads)
+    elif not isinstance(plan, MLADecodePlan):
+        raise TypeError(f"plan must be an MLADecodePlan (from mla_decode_plan), got {type(plan).__name__}")
+    elif (plan.batch, plan.s_q, plan.num_heads, plan.device) != (batch, s_q, heads, q_nope.device):
+        raise ValueError(
+            f"plan must be for (B, s_q, num_heads, device) = {(batch, s_q, heads, q_nope.device)}, "
+            f"got {(plan.batch, plan.s_q, plan.num_heads, plan.device)}"
+        )
+    config = CONFIGS[(plan.block_m, ckv.dtype == FP8)]
+    _decode_op(
+        q_nope,
+        q_pe,
+        ckv,
+        kpe,
+        block_table,
+        seq_lens,
+        plan.sched,
+        plan.part_out,
+        plan.part_lse,
+        out,
+        lse,
+        sm_scale,
+        scale_tensor,
+        scale_value,
+        causal,
+        plan.num_programs,
+        plan.block_m,
+        config["BLOCK_N"],
+        config["num_warps"],
+        config["num_stages"],
+    )
+    return (out, lse) if lse is not None else out

@@ -1,0 +1,510 @@
+"""Triton kernels of the paged MLA decode: the split-KV schedule (one program), the attention (split-KV flash
+decoding) and the combine of split sequences' partial results.
+
+Schedule. Every sequence costs ``ceil(L / UNIT) + OVERHEAD`` units (``UNIT`` = 64 tokens; the overhead stands
+for the per-piece fixed work: loading the queries, the epilogue, the combine). The costs are laid end to end
+and cut into ``num_programs`` chunks of equal size; attention program ``p`` walks chunk ``p``, which may end
+one sequence and start the next ones. A sequence that a chunk boundary cuts is *split*: each piece writes a
+normalized partial output and its LSE into the workspace slots the schedule gave the sequence, and the
+combine kernel merges them; an unsplit sequence's program writes ``out`` directly. The schedule depends only
+on ``seq_lens`` values, which the plan kernel reads on the device, so the sizes of everything (grid,
+workspace) are fixed by the batch and ``num_programs`` and a CUDA graph replays with new lengths.
+
+Attention. Rows of the dot products are (new token, head) pairs of one sequence, ``BLOCK_M`` of them per
+program (grid axis 0, varying fastest, so the row blocks that read the same pages run together and share
+them in L2); columns are ``BLOCK_N`` cached tokens, each token's page found in the block table (which makes
+page size 1 the same code as page 64). Scores are ``q_nope . ckv + q_pe . kpe`` on tensor cores, the online
+softmax in base 2, the values the first 512 columns of the same tile. FP8 pages are widened to the query
+dtype in registers after the load; their scale multiplies the scores and the output instead.
+
+``sched`` (int32) layout: ``[chunk, total, starts[B], ends[B], splits[B], slot[B], first_seq[num_programs]]``.
+
+Imported only where a kernel is launched (never on the CPU path), so that ``TRITON_INTERPRET=1`` can be set
+before the first import to run the kernels on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import triton
+import triton.language as tl
+
+UNIT = 64  # tokens per schedule unit; every BLOCK_N divides it
+OVERHEAD = 2  # schedule units charged per sequence piece
+D_LATENT = 512
+D_ROPE = 64
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Triton 3.6's interpreter computes tl.dot on bf16 operands from their raw bits: interpreted runs widen them
+# to fp32 first (exact), the compiled kernel never does.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+_UNIT = tl.constexpr(UNIT)
+_OVERHEAD = tl.constexpr(OVERHEAD)
+_DL = tl.constexpr(D_LATENT)
+_DR = tl.constexpr(D_ROPE)
+_LN2 = tl.constexpr(LN2)
+
+
+def sched_size(batch: int, num_programs: int) -> int:
+    return 2 + 4 * batch + num_programs
+
+
+# ------------------------------------------------------------------------------------------------- plan
+
+
+@triton.jit
+def _plan_kernel(lens_ptr, sched_ptr, B, P, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    offs = tl.arange(0, BLOCK_B)
+    total = 0
+    for b0 in range(0, B, BLOCK_B):
+        idx = b0 + offs
+        lens = tl.maximum(tl.load(lens_ptr + idx, mask=idx < B, other=0), 0)
+        total += tl.sum(tl.where(idx < B, (lens + _UNIT - 1) // _UNIT + _OVERHEAD, 0), 0)
+    chunk = tl.maximum((total + P - 1) // P, 1)
+    tl.store(sched_ptr, chunk)
+    tl.store(sched_ptr + 1, total)
+    starts_ptr = sched_ptr + 2
+    ends_ptr = starts_ptr + B
+    splits_ptr = ends_ptr + B
+    slot_ptr = splits_ptr + B
+    first_ptr = slot_ptr + B
+    carry = 0
+    slot_carry = 0
+    for b0 in range(0, B, BLOCK_B):
+        idx = b0 + offs
+        ok = idx < B
+        lens = tl.maximum(tl.load(lens_ptr + idx, mask=ok, other=0), 0)
+        cost = tl.where(ok, (lens + _UNIT - 1) // _UNIT + _OVERHEAD, 0)
+        ends = carry + tl.cumsum(cost, 0)
+        starts = ends - cost
+        splits = (ends - 1) // chunk - starts // chunk + 1
+        taken = tl.where(ok & (splits > 1), splits, 0)
+        slot = slot_carry + tl.cumsum(taken, 0) - taken
+        tl.store(starts_ptr + idx, starts, mask=ok)
+        tl.store(ends_ptr + idx, ends, mask=ok)
+        tl.store(splits_ptr + idx, splits, mask=ok)
+        tl.store(slot_ptr + idx, slot, mask=ok)
+        carry += tl.sum(cost, 0)
+        slot_carry += tl.sum(taken, 0)
+    # The binary search below reads the ends this program's threads just stored.
+    tl.debug_barrier()
+    poffs = tl.arange(0, BLOCK_P)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + poffs
+        target = p * chunk
+        lo = tl.zeros([BLOCK_P], dtype=tl.int32)
+        hi = tl.zeros([BLOCK_P], dtype=tl.int32) + B
+        for _ in tl.static_range(SEARCH_STEPS):  # first sequence whose end is past the chunk's start
+            live = lo < hi
+            mid = (lo + hi) // 2
+            end = tl.load(ends_ptr + mid, mask=live, other=0)
+            right = live & (end <= target)
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(live & ~right, mid, hi)
+        tl.store(first_ptr + p, lo, mask=p < P)
+
+
+def launch_plan(seq_lens, sched, num_programs: int) -> None:
+    batch = seq_lens.shape[0]
+    _plan_kernel[(1,)](
+        seq_lens,
+        sched,
+        batch,
+        num_programs,
+        BLOCK_B=min(triton.next_power_of_2(max(batch, 16)), 1024),
+        BLOCK_P=min(triton.next_power_of_2(max(num_programs, 16)), 256),
+        SEARCH_STEPS=max(1, math.ceil(math.log2(batch + 1))),
+        num_warps=4,
+    )
+
+
+# -------------------------------------------------------------------------------------------- attention
+
+
+@triton.jit
+def _tile(
+    acc,
+    m_i,
+    l_i,
+    qn,
+    qp,
+    ckv_ptr,
+    kpe_ptr,
+    bt_row,
+    t,
+    tok_hi,
+    row_vis,
+    nope_scale,
+    pe_scale,
+    stride_ckv_p,
+    stride_ckv_t,
+    stride_kpe_p,
+    stride_kpe_t,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    MIXED: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One `[BLOCK_N]` tile of cached tokens ``t ..`` folded into the running ``(acc, m_i, l_i)``."""
+    n = t + tl.arange(0, BLOCK_N)
+    dl = tl.arange(0, _DL)
+    dr = tl.arange(0, _DR)
+    in_range = n < tok_hi
+    if PAGE >= BLOCK_N:  # one page holds the tile
+        page = tl.load(bt_row + t // PAGE).to(tl.int64)
+        slot = (n % PAGE).to(tl.int64)
+        ckv_rows = page * stride_ckv_p + slot * stride_ckv_t
+        kpe_rows = page * stride_kpe_p + slot * stride_kpe_t
+    else:
+        if MASKED:
+            pages = tl.load(bt_row + n // PAGE, mask=in_range, other=0).to(tl.int64)
+        else:
+            pages = tl.load(bt_row + n // PAGE).to(tl.int64)
+        slot = (n % PAGE).to(tl.int64)
+        ckv_rows = pages * stride_ckv_p + slot * stride_ckv_t
+        kpe_rows = pages * stride_kpe_p + slot * stride_kpe_t
+    # Loaded transposed, `[512, BLOCK_N]`: the scores' B operand as it is; the values are its transpose.
+    if MASKED:
+        ckv_t = tl.load(ckv_ptr + ckv_rows[None, :] + dl[:, None], mask=in_range[None, :], other=0.0)
+        kpe_t = tl.load(kpe_ptr + kpe_rows[None, :] + dr[:, None], mask=in_range[None, :], other=0.0)
+    else:
+        ckv_t = tl.load(ckv_ptr + ckv_rows[None, :] + dl[:, None])
+        kpe_t = tl.load(kpe_ptr + kpe_rows[None, :] + dr[:, None])
+    ckv_t = ckv_t.to(qn.dtype)
+    kpe_t = kpe_t.to(qp.dtype)
+    if MIXED:  # FP8 latent with a bf16/fp16 rope: the two parts have different scales
+        s = tl.dot(qn, ckv_t) * nope_scale + tl.dot(qp, kpe_t) * pe_scale
+    else:
+        s = tl.dot(qp, kpe_t, acc=tl.dot(qn, ckv_t)) * nope_scale
+    if MASKED:
+        s = tl.where(n[None, :] < tl.minimum(row_vis, tok_hi)[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, tl.trans(ckv_t), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(ckv_t.dtype), tl.trans(ckv_t))
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    qn_ptr,
+    qp_ptr,
+    ckv_ptr,
+    kpe_ptr,
+    bt_ptr,
+    lens_ptr,
+    sched_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    scale_ptr,
+    B,
+    M,
+    HQ,
+    S_Q,
+    qk_scale,
+    kv_scale_value,
+    stride_qn_b,
+    stride_qn_s,
+    stride_qn_h,
+    stride_qp_b,
+    stride_qp_s,
+    stride_qp_h,
+    stride_ckv_p,
+    stride_ckv_t,
+    stride_kpe_p,
+    stride_kpe_t,
+    stride_bt,
+    stride_o_b,
+    stride_o_s,
+    stride_o_h,
+    stride_l_b,
+    stride_l_s,
+    stride_l_h,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    KPE_FP8: tl.constexpr,
+    SCALE_PTR: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    p = tl.program_id(1)
+    chunk = tl.load(sched_ptr)
+    total = tl.load(sched_ptr + 1)
+    starts_ptr = sched_ptr + 2
+    ends_ptr = starts_ptr + B
+    splits_ptr = ends_ptr + B
+    slot_ptr = splits_ptr + B
+    cursor = p * chunk
+    end = tl.minimum(cursor + chunk, total)
+    b = tl.load(slot_ptr + B + p)
+
+    kv_scale = 1.0
+    if KV_FP8 or KPE_FP8:
+        if SCALE_PTR:
+            kv_scale = tl.load(scale_ptr)
+        else:
+            kv_scale = kv_scale_value
+    nope_scale = qk_scale * kv_scale if KV_FP8 else qk_scale
+    pe_scale = qk_scale * kv_scale if KPE_FP8 else qk_scale
+    out_scale = kv_scale if KV_FP8 else 1.0
+
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    qi = rows // HQ
+    qh = rows % HQ
+    dl = tl.arange(0, _DL)
+    dr = tl.arange(0, _DR)
+    qn_rows = qi.to(tl.int64) * stride_qn_s + qh * stride_qn_h
+    qp_rows = qi.to(tl.int64) * stride_qp_s + qh * stride_qp_h
+    o_rows = qi.to(tl.int64) * stride_o_s + qh * stride_o_h
+    l_rows = qi * stride_l_s + qh * stride_l_h
+
+    while cursor < end:
+        seq_start = tl.load(starts_ptr + b)
+        seq_end = tl.load(ends_ptr + b)
+        splits = tl.load(splits_ptr + b)
+        piece_end = tl.minimum(end, seq_end)
+        length = tl.maximum(tl.load(lens_ptr + b), 0)
+        tok_lo = tl.maximum(cursor - seq_start - _OVERHEAD, 0) * _UNIT
+        tok_hi = tl.minimum(tl.maximum(piece_end - seq_start - _OVERHEAD, 0) * _UNIT, length)
+
+        b64 = b.to(tl.int64)
+        qn = tl.load(qn_ptr + b64 * stride_qn_b + qn_rows[:, None] + dl[None, :], mask=row_ok[:, None], other=0.0)
+        qp = tl.load(qp_ptr + b64 * stride_qp_b + qp_rows[:, None] + dr[None, :], mask=row_ok[:, None], other=0.0)
+        if UPCAST:
+            qn = qn.to(tl.float32)
+            qp = qp.to(tl.float32)
+        bt_row = bt_ptr + b64 * stride_bt
+        if CAUSAL:
+            vis_min = length - S_Q + 1
+            row_vis = length - S_Q + 1 + qi
+        else:
+            vis_min = length
+            row_vis = tl.zeros([BLOCK_M], dtype=tl.int32) + length
+        acc = tl.zeros([BLOCK_M, _DL], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        # Tiles every row sees whole need no mask; the rest (the causal diagonal, the tail) do.
+        safe = tok_lo + tl.maximum(tl.minimum(tok_hi, vis_min) - tok_lo, 0) // BLOCK_N * BLOCK_N
+        for t in range(tok_lo, safe, BLOCK_N):
+            acc, m_i, l_i = _tile(
+                acc,
+                m_i,
+                l_i,
+                qn,
+                qp,
+                ckv_ptr,
+                kpe_ptr,
+                bt_row,
+                t,
+                tok_hi,
+                row_vis,
+                nope_scale,
+                pe_scale,
+                stride_ckv_p,
+                stride_ckv_t,
+                stride_kpe_p,
+                stride_kpe_t,
+                PAGE,
+                BLOCK_N,
+                False,
+                KV_FP8 and not KPE_FP8,
+                UPCAST,
+            )
+        for t in range(safe, tok_hi, BLOCK_N):
+            acc, m_i, l_i = _tile(
+                acc,
+                m_i,
+                l_i,
+                qn,
+                qp,
+                ckv_ptr,
+                kpe_ptr,
+                bt_row,
+                t,
+                tok_hi,
+                row_vis,
+                nope_scale,
+                pe_scale,
+                stride_ckv_p,
+                stride_ckv_t,
+                stride_kpe_p,
+                stride_kpe_t,
+                PAGE,
+                BLOCK_N,
+                True,
+                KV_FP8 and not KPE_FP8,
+                UPCAST,
+            )
+        seen = l_i > 0.0
+        o = acc * (out_scale / tl.where(seen, l_i, 1.0))[:, None]
+        lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        if splits == 1:
+            tl.store(
+                out_ptr + b64 * stride_o_b + o_rows[:, None] + dl[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
+            if HAS_LSE:
+                tl.store(lse_ptr + b * stride_l_b + l_rows, lse2 * _LN2, mask=row_ok)
+        else:
+            slot = (tl.load(slot_ptr + b) + p - seq_start // chunk).to(tl.int64)
+            tl.store(part_out_ptr + (slot * M + rows)[:, None] * _DL + dl[None, :], o, mask=row_ok[:, None])
+            tl.store(part_lse_ptr + slot * M + rows, lse2, mask=row_ok)
+        cursor = piece_end
+        b += 1
+
+
+@triton.jit
+def _combine_kernel(
+    sched_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    B,
+    M,
+    HQ,
+    stride_o_b,
+    stride_o_s,
+    stride_o_h,
+    stride_l_b,
+    stride_l_s,
+    stride_l_h,
+    BLOCK_M: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    mb = tl.program_id(1)
+    splits = tl.load(sched_ptr + 2 + 2 * B + b)
+    if splits > 1:
+        first = tl.load(sched_ptr + 2 + 3 * B + b).to(tl.int64)
+        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        dl = tl.arange(0, _DL)
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for j in range(splits):
+            m = tl.maximum(m, tl.load(part_lse_ptr + (first + j) * M + rows, mask=row_ok, other=float("-inf")))
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, _DL], dtype=tl.float32)
+        for j in range(splits):
+            w = tl.exp2(tl.load(part_lse_ptr + (first + j) * M + rows, mask=row_ok, other=float("-inf")) - m_use)
+            part = tl.load(part_out_ptr + ((first + j) * M + rows)[:, None] * _DL + dl[None, :], mask=row_ok[:, None])
+            total += w
+            acc += w[:, None] * part
+        seen = total > 0.0
+        o = acc / tl.where(seen, total, 1.0)[:, None]
+        qi = rows // HQ
+        qh = rows % HQ
+        o_rows = b.to(tl.int64) * stride_o_b + qi.to(tl.int64) * stride_o_s + qh * stride_o_h
+        tl.store(out_ptr + o_rows[:, None] + dl[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if HAS_LSE:
+            lse = tl.where(seen, (m_use + tl.log2(tl.where(seen, total, 1.0))) * _LN2, float("-inf"))
+            tl.store(lse_ptr + b * stride_l_b + qi * stride_l_s + qh * stride_l_h, lse, mask=row_ok)
+
+
+def launch_decode(
+    q_nope,
+    q_pe,
+    ckv,
+    kpe,
+    block_table,
+    seq_lens,
+    sched,
+    part_out,
+    part_lse,
+    out,
+    lse,
+    sm_scale: float,
+    kv_scale,
+    causal: bool,
+    num_programs: int,
+    config: dict,
+) -> None:
+    """Attention then combine. ``ckv`` `[P, page, 512 or 576]`; ``kpe`` `[P, page, 64]` (a view of ``ckv``'s
+    last 64 columns for the one-tensor layout); ``kv_scale`` a float or a 1-element fp32 tensor; ``lse`` may be
+    None. Shapes and dtypes arrive checked."""
+    import torch
+
+    batch, s_q, heads, _ = q_nope.shape
+    rows = s_q * heads
+    block_m = config["BLOCK_M"]
+    fp8 = torch.float8_e4m3fn
+    scale_is_tensor = isinstance(kv_scale, torch.Tensor)
+    upcast = INTERPRET and q_nope.dtype == torch.bfloat16
+    lse_arg = lse if lse is not None else part_lse
+    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+    grid = (triton.cdiv(rows, block_m), num_programs)
+    _decode_kernel[grid](
+        q_nope,
+        q_pe,
+        ckv,
+        kpe,
+        block_table,
+        seq_lens,
+        sched,
+        part_out,
+        part_lse,
+        out,
+        lse_arg,
+        kv_scale if scale_is_tensor else sched,
+        batch,
+        rows,
+        heads,
+        s_q,
+        float(sm_scale) * LOG2E,
+        1.0 if scale_is_tensor or kv_scale is None else float(kv_scale),
+        *q_nope.stride()[:3],
+        *q_pe.stride()[:3],
+        ckv.stride(0),
+        ckv.stride(1),
+        kpe.stride(0),
+        kpe.stride(1),
+        block_table.stride(0),
+        *out.stride()[:3],
+        *lse_strides,
+        PAGE=ckv.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_N=config["BLOCK_N"],
+        CAUSAL=causal,
+        KV_FP8=ckv.dtype == fp8,
+        KPE_FP8=kpe.dtype == fp8,
+        SCALE_PTR=scale_is_tensor,
+        HAS_LSE=lse is not None,
+        UPCAST=upcast,
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+    combine_m = min(block_m, 16)
+    _combine_kernel[(batch, triton.cdiv(rows, combine_m))](
+        sched,
+        part_out,
+        part_lse,
+        out,
+        lse_arg,
+        batch,
+        rows,
+        heads,
+        *out.stride()[:3],
+        *lse_strides,
+        BLOCK_M=combine_m,
+        HAS_LSE=lse is not None,
+        num_warps=4,
+    )

@@ -1,0 +1,259 @@
+"""The Triton grouped GEMM with NVFP4 weights and 16-bit activations (W4A16).
+
+Each program owns one output tile of one expert, found as in ``gemm_kernel`` (a prefix sum over the `[E]`
+counts, no host sync). Per K step it takes the packed weight bytes `[BLOCK_N, BLOCK_K / 2]` and the activations
+from TMA loads that the compiler pipelines ``num_stages`` deep in shared memory (so the weight stream runs ahead
+of the expansion), expands the bytes with their E4M3 block scales `[BLOCK_N, BLOCK_K / 16]` in registers to the
+activations' dtype, and feeds the tensor cores with ``tl.dot`` (wgmma on Hopper, overlapped with the next
+step's expansion). The expansion is exact: an E2M1 value times an E4M3 scale has
+at most 5 significant bits and lies in ``[2**-10, 2688]``, inside bf16 and fp16 alike. The fp32 global scale
+(one per expert, or one per gate/up half for GEMM1) multiplies the fp32 accumulator once, in the epilogue.
+
+With ``SWAP_AB`` the product is computed transposed, ``acc[n, m] = sum_k W[n, k] A[m, k]``: the expanded
+weights are then the left operand, which wgmma reads from registers (no shared-memory round trip for them),
+and the rows of the layout become wgmma's N, which may be as small as 8, so decode with a handful of rows
+per expert wastes little of the tensor cores; without it wgmma's M (at least 64) is the layout's rows.
+
+Imported only where a kernel is launched, so that ``TRITON_INTERPRET=1`` can be set before the first import.
+Dimension legend: ``E`` experts, ``N`` output columns, ``NW`` weight rows (``2 N`` with an activation),
+``K`` reduction, ``R`` rows of the layout.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .gemm_kernel import ACT_NONE, _tile_of, gated_activation
+
+_ACT_NONE = tl.constexpr(ACT_NONE)
+# E2M1 magnitudes placed in an fp16's exponent/mantissa bits read as the value times 2**-14 (code 1, 0.5,
+# is an fp16 subnormal, which converts to fp32 exactly); the block scale carries the 2**14 back.
+_E2M1_FP16_BIAS = tl.constexpr(16384.0)
+
+
+@triton.jit
+def expand_nvfp4(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """``packed`` `[BLOCK_N, BLOCK_K / 2]` uint8 (element 2i in the low nibble) and ``scale``
+    `[BLOCK_N, BLOCK_K / 16]` (E4M3 block scales, any float type) -> `[BLOCK_N, BLOCK_K]` values in ``DTYPE``."""
+    x = packed.to(tl.uint16)
+    lo = ((x & 0x8) << 12) | ((x & 0x7) << 9)  # sign to bit 15, exponent and mantissa to bits 11..9
+    hi = ((x & 0x80) << 8) | ((x & 0x70) << 5)
+    v = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.float16, bitcast=True).to(tl.float32)
+    s = scale.to(tl.float32) * _E2M1_FP16_BIAS
+    v = tl.reshape(tl.reshape(v, (BLOCK_N, BLOCK_K // 16, 16)) * s[:, :, None], (BLOCK_N, BLOCK_K))
+    return v.to(DTYPE)
+
+
+@triton.jit
+def _load_scales(s_ptrs, offs_g, left):
+    """Block scales `[BLOCK_N, BLOCK_K / 16]` of one K step with ``left`` columns still to go (K is a multiple
+    of 32, so a partial step holds whole scale groups; nothing is loaded when ``left <= 0``)."""
+    return tl.load(s_ptrs, mask=offs_g[None, :] < left // 16, other=0.0)
+
+
+@triton.jit
+def _product(a, wv, acc, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        acc = tl.dot(wv, tl.trans(a), acc)  # [BLOCK_N, BLOCK_M]
+    else:
+        acc = tl.dot(a, tl.trans(wv), acc)  # [BLOCK_M, BLOCK_N]
+    return acc
+
+
+@triton.jit
+def grouped_gemm_nvfp4_kernel(
+    a_desc,  # TMA descriptor of a [R, K] bf16 / fp16, block [BLOCK_M, BLOCK_K]
+    w_desc,  # TMA descriptor of w [E * NW, K / 2] uint8, block [BLOCK_N, BLOCK_K / 2]
+    ws_ptr,  # [E, NW, K / 16] float8_e4m3fn
+    gs_ptr,  # [E] or [E, 2] fp32
+    out_ptr,  # [R, N]
+    counts_ptr,  # [E] int32
+    offsets_ptr,  # [E] int32 first row of each expert (contiguous)
+    E,
+    N,
+    NW,
+    K,
+    stride_se,
+    stride_sn,
+    stride_ge,  # global scale expert stride
+    up_scale_offset,  # 1 when the global scale has a gate and an up value per expert, else 0
+    stride_om,
+    num_m_tiles,
+    capacity,
+    alpha,
+    limit,
+    MASKED: tl.constexpr,
+    ACT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    # As in gemm_kernel: GROUP_M row tiles in a row share a weight tile while it is in L2.
+    per_group = GROUP_M * num_n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    expert, row0, rows = _tile_of(pid_m, counts_ptr, offsets_ptr, E, capacity, MASKED, BLOCK_M, BLOCK_E)
+    if expert >= E:
+        return
+
+    GROUPS_K: tl.constexpr = BLOCK_K // 16
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, GROUPS_K)
+    # The TMA loads need no masks: rows past the expert's (another expert's, or zeros past the tensor) and
+    # weight rows past N give output elements the store drops; columns past K arrive as zeros. The scale
+    # loads clamp their rows instead.
+    w_row = expert * NW + pid_n * BLOCK_N
+    s_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    s_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + s_rows[:, None] * stride_sn + offs_g[None, :]
+    if ACT != _ACT_NONE:
+        su_ptrs = s_ptrs + N * stride_sn  # the up rows follow the gate rows
+
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ACT != _ACT_NONE:
+        acc_up = tl.zeros_like(acc)
+    dtype = a_desc.dtype
+
+    # The TMA loads of a and w are software-pipelined by the compiler (num_stages deep in shared memory); the
+    # small scale loads are issued one step ahead by hand.
+    ws = _load_scales(s_ptrs, offs_g, K)
+    if ACT != _ACT_NONE:
+        us = _load_scales(su_ptrs, offs_g, K)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([row0, k0])
+        wb = w_desc.load([w_row, k0 // 2])
+        s_ptrs += GROUPS_K
+        ws_next = _load_scales(s_ptrs, offs_g, K - k0 - BLOCK_K)
+        acc = _product(a, expand_nvfp4(wb, ws, BLOCK_N, BLOCK_K, dtype), acc, SWAP_AB)
+        ws = ws_next
+        if ACT != _ACT_NONE:
+            ub = w_desc.load([w_row + N, k0 // 2])
+            su_ptrs += GROUPS_K
+            us_next = _load_scales(su_ptrs, offs_g, K - k0 - BLOCK_K)
+            acc_up = _product(a, expand_nvfp4(ub, us, BLOCK_N, BLOCK_K, dtype), acc_up, SWAP_AB)
+            us = us_next
+
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        if ACT != _ACT_NONE:
+            acc_up = tl.trans(acc_up)
+    acc *= tl.load(gs_ptr + expert * stride_ge)
+    if ACT != _ACT_NONE:
+        acc_up *= tl.load(gs_ptr + expert * stride_ge + up_scale_offset)
+        acc = gated_activation(acc, acc_up, alpha, limit, ACT)
+
+    out_rows = (row0 + offs_m).to(tl.int64)
+    mask = (offs_m[:, None] < rows) & (offs_n[None, :] < N)
+    tl.store(out_ptr + out_rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tma_ready(t):
+    """``t`` itself where TMA can read it (16-byte aligned base and row stride), else an aligned copy."""
+    if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+        return t.contiguous() if not t.is_contiguous() else t.clone()
+    return t
+
+
+def launch(
+    a,
+    w,
+    w_block_scale,
+    w_global_scale,
+    out,
+    counts,
+    offsets,
+    *,
+    act: int,
+    alpha: float,
+    limit: float,
+    capacity: int,
+    config: dict,
+) -> None:
+    """Launch on 2-D views: ``a [R, K]``, ``w [E, NW, K / 2]``, ``w_block_scale [E, NW, K / 16]``,
+    ``w_global_scale`` `[E]` or `[E, 2]` (gate, up), ``out [R, N]``, all unit stride in the last dimension;
+    ``counts`` `[E]` int32; ``offsets`` `[E]` int32 (contiguous) or None (masked: expert ``e`` at row
+    ``e * capacity``). The grid is a static bound from the layout's shape (no host sync)."""
+    num_experts, nw, half_k = w.shape
+    k = 2 * half_k
+    n = nw // 2 if act != ACT_NONE else nw
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    rows = a.shape[0]
+    if offsets is None:
+        num_m_tiles_bound = num_experts * triton.cdiv(capacity, block_m)
+    else:
+        num_m_tiles_bound = triton.cdiv(rows, block_m) + min(num_experts, rows)
+    grid = (num_m_tiles_bound * triton.cdiv(n, block_n),)
+    a_desc = TensorDescriptor.from_tensor(_tma_ready(a), [block_m, block_k])
+    w_desc = TensorDescriptor.from_tensor(_tma_ready(w.reshape(num_experts * nw, half_k)), [block_n, block_k // 2])
+    per_half = w_global_scale.dim() == 2
+    grouped_gemm_nvfp4_kernel[grid](
+        a_desc,
+        w_desc,
+        w_block_scale,
+        w_global_scale,
+        out,
+        counts,
+        offsets if offsets is not None else counts,
+        num_experts,
+        n,
+        nw,
+        k,
+        w_block_scale.stride(0),
+        w_block_scale.stride(1),
+        w_global_scale.stride(0),
+        w_global_scale.stride(1) if per_half else 0,
+        out.stride(0),
+        num_m_tiles_bound,
+        capacity,
+        alpha,
+        limit,
+        MASKED=offsets is None,
+        ACT=act,
+        SWAP_AB=config.get("SWAP_AB", True),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        GROUP_M=config.get("GROUP_M", 8),
+        num_warps=config.get("num_warps", 4),
+        num_stages=config.get("num_stages", 3),
+    )
+
+
+# Tile configs by shape class, picked in ``pick`` (measured by launch/bench_nvfp4.py --sweep on an H200).
+_DECODE_ROWS = 32  # rows per expert up to which the decode tiles apply
+CONFIGS = {
+    "decode": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 1},
+    "decode_gated": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 1},
+    "mid": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "GROUP_M": 8},
+    "mid_gated": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "GROUP_M": 8},
+    "prefill": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8},
+    "prefill_gated": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8},
+}
+
+
+def shape_class(rows: int, num_experts: int, capacity: int, gated: bool) -> str:
+    """The config class of a call: by the expected rows per expert (the layout's, never the counts')."""
+    per_expert = min(capacity, -(-rows // max(num_experts, 1)))
+    size = "decode" if per_expert <= _DECODE_ROWS else "mid" if per_expert <= 256 else "prefill"
+    return f"{size}_gated" if gated else size
+
+
+def pick(rows: int, num_experts: int, capacity: int, gated: bool, k: int) -> dict:
+    """The tile config for one call; ``BLOCK_K`` no larger than K rounded up to a power of two."""
+    cfg = dict(CONFIGS[shape_class(rows, num_experts, capacity, gated)])
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(32, triton.next_power_of_2(k)))
+    return cfg

@@ -1,0 +1,39 @@
+"""Random NVFP4 expert weights as ModelOpt stores them, and their float64 dequantization, shared by the CPU,
+interpreter and GPU tests of the NVFP4 grouped GEMMs and MoE layer."""
+
+import torch
+
+from flashinfer_moe import reference_quant as rq
+
+FP8 = torch.float8_e4m3fn
+
+
+def nvfp4_weights(num_experts: int, n: int, k: int, g: torch.Generator, device="cpu", gated: bool = False):
+    """``(w [E, N, K/2] uint8, block_scale [E, N, K/16] e4m3, global_scale [E] or [E, 2] fp32)``: each expert
+    (and with ``gated`` each half of its rows) quantized with its own global scale, magnitudes spread across
+    experts and rows, as a checkpoint's gate_proj and up_proj are quantized separately."""
+    w = torch.randn(num_experts, n, k, generator=g) / k**0.5
+    w = w * (0.25 + torch.rand(num_experts, n, 1, generator=g) * 4)
+    halves = [w[:, : n // 2], w[:, n // 2 :]] if gated else [w]
+    packed, scales, globals_ = [], [], []
+    for part in halves:
+        gs = part.abs().amax(dim=(1, 2)) / (6 * 448)  # [E], ModelOpt's weight_scale_2
+        q = [rq.quantize_nvfp4(part[e], float(gs[e])) for e in range(num_experts)]
+        packed.append(torch.stack([p for p, _, _ in q]))
+        scales.append(torch.stack([s for _, s, _ in q]))
+        globals_.append(gs.float())
+    w_q = torch.cat(packed, dim=1)
+    s = torch.cat([x.view(torch.uint8) for x in scales], dim=1).view(FP8)
+    gs = torch.stack(globals_, dim=1) if gated else globals_[0]
+    return w_q.to(device), s.to(device), gs.to(device)
+
+
+def dequantized(w, block_scale, global_scale) -> torch.Tensor:
+    """float64 `[E, N, K]` of NVFP4 weights, on their device; a `[E, 2]` global scale covers the first and
+    second half of the rows."""
+    values = rq.dequantize_nvfp4(w, block_scale, 1.0).double()
+    gs = global_scale.to(w.device).double()
+    if gs.dim() == 2:
+        half = w.shape[1] // 2
+        return torch.cat((values[:, :half] * gs[:, :1, None], values[:, half:] * gs[:, 1:, None]), dim=1)
+    return values * gs[:, None, None]

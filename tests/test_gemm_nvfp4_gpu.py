@@ -1,0 +1,213 @@
+"""NVFP4-weight grouped GEMMs and fused_moe(quant="nvfp4") on a GPU against float64 references on the dequantized
+weights: odd row counts, every tile config, DeepSeek-V3 and Qwen3 shapes, and wgmma in the compiled kernel."""
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+from gemm_cases import contiguous_layout, owned_rows, rel_err
+from nvfp4_cases import FP8, dequantized, nvfp4_weights
+
+import flashinfer_moe as fm
+from flashinfer_moe import reference as ref
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+ACTS = [None, "silu", "clamped_silu"]
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def random_nvfp4(num_experts, n, k, g, gated=False):
+    """Random codes and scales made on the GPU (the shapes of whole models: no quantizer pass), sized so that
+    a unit-size input gives a unit-size output."""
+    gdev = torch.Generator(device=DEV).manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
+    w = torch.randint(0, 256, (num_experts, n, k // 2), dtype=torch.uint8, device=DEV, generator=gdev)
+    s = (torch.rand(num_experts, n, k // 16, device=DEV, generator=gdev) + 0.5).to(FP8)
+    gs = (torch.rand(num_experts, 2 if gated else 1, device=DEV, generator=gdev) + 0.5) / (3 * k**0.5)
+    return w, s, gs if gated else gs[:, 0].contiguous()
+
+
+def _reference(a, w, s, gs, counts, offsets, activation):
+    """float64 on the GPU, dequantizing only the experts that own rows."""
+    a2 = a.reshape(-1, a.shape[-1]).double()
+    n = w.shape[1] // 2 if activation else w.shape[1]
+    out = torch.zeros(a2.shape[0], n, dtype=torch.float64, device=DEV)
+    for e, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
+        if count:
+            we = dequantized(w[e : e + 1], s[e : e + 1], gs[e : e + 1])[0]
+            rows = slice(start, start + count)
+            out[rows] = ref.activation(a2[rows] @ we.T, activation)
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype, act",
+    [(torch.bfloat16, None), (torch.bfloat16, "silu"), (torch.bfloat16, "clamped_silu"), (torch.float16, "silu")],
+)
+@pytest.mark.parametrize(
+    "counts, n, k", [([0, 1, 127, 64], 256, 384), ([1], 128, 96), ([300, 0, 0, 5, 129], 512, 1056)]
+)
+@pytest.mark.parametrize("block_rows", [1, 128])
+def test_contiguous(rng, dtype, act, counts, n, k, block_rows):
+    seed, g = rng
+    layout = contiguous_layout(counts, block_rows, DEV)
+    a = torch.randn(layout.num_rows, k, generator=g).to(dtype).to(DEV)
+    w, s, gs = (t.to(DEV) for t in nvfp4_weights(len(counts), n, k, g, gated=act is not None))
+    out = torch.full((layout.num_rows, n // 2 if act else n), float("nan"), dtype=dtype, device=DEV)
+    got = fm.grouped_gemm_nvfp4_contiguous(a, w, s, gs, layout, activation=act, out=out)
+    torch.cuda.synchronize()
+    counts_t, offsets = layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu()
+    owned = owned_rows(counts_t, offsets, layout.num_rows)
+    want = _reference(a, w, s, gs, counts_t, offsets, act)
+    if owned.any():
+        assert rel_err(got.cpu()[owned], want.cpu()[owned]) < TOL[dtype], seed
+    assert got.cpu()[~owned].isnan().all(), "rows no expert owns must keep the poison"
+
+
+@pytest.mark.parametrize("act", [None, "silu"])
+@pytest.mark.parametrize("capacity", [1, 8, 127, 200])
+def test_masked(rng, act, capacity):
+    seed, g = rng
+    num_experts, n, k = 6, 384, 512
+    a = torch.randn(num_experts, capacity, k, generator=g).bfloat16().to(DEV)
+    w, s, gs = random_nvfp4(num_experts, n, k, g, gated=act is not None)
+    given = torch.tensor([capacity, 0, 1, capacity // 2, capacity + 5, 3], dtype=torch.int32)  # past C: clamped
+    counts = given.clamp(max=capacity)
+    out = torch.full((num_experts, capacity, n // 2 if act else n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fm.grouped_gemm_nvfp4_masked(a, w, s, gs, given.to(DEV), activation=act, out=out)
+    torch.cuda.synchronize()
+    offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
+    want = _reference(a, w, s, gs, counts, offsets, act).view(num_experts, capacity, -1).cpu()
+    got = out.cpu()
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            assert rel_err(got[e, :c], want[e, :c]) < 1e-2, (seed, e)
+        assert got[e, c:].isnan().all()
+
+
+@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("name", ["decode", "decode_gated", "mid", "mid_gated", "prefill", "prefill_gated"])
+def test_every_config(rng, name, swap):
+    """Each tile config of the table, in both operand orders, on a shape that is partial in every dimension."""
+    from flashinfer_moe.moe import gemm_nvfp4_kernel as kernel
+
+    seed, g = rng
+    gated = name.endswith("gated")
+    counts = torch.tensor([0, 1, 127, 33, 300], dtype=torch.int32)
+    offsets = torch.cat((torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()))
+    rows, n, k = int(counts.sum()), 200, 224
+    a = torch.randn(rows, k, generator=g).bfloat16().to(DEV)
+    w, s, gs = random_nvfp4(5, 2 * n if gated else n, k, g, gated=gated)
+    out = torch.full((rows, n), float("nan"), device=DEV)
+    cfg = dict(kernel.CONFIGS[name], SWAP_AB=swap)
+    act = 1 if gated else 0
+    kernel.launch(
+        a,
+        w,
+        s,
+        gs,
+        out,
+        counts.to(DEV),
+        offsets.to(DEV),
+        act=act,
+        alpha=1.702,
+        limit=7.0,
+        capacity=2**31 - 1,
+        config=cfg,
+    )
+    torch.cuda.synchronize()
+    want = _reference(a, w, s, gs, counts, offsets, "silu" if gated else None)
+    assert rel_err(out, want) < 5e-3, seed
+    assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("name", ["decode", "mid", "prefill"])
+def test_every_code_expands_exactly(name, swap):
+    """a = I: the output is the expanded weights themselves, every E2M1 code under every finite E4M3 scale
+    (subnormals included), bit for bit the reference's dequantization (nothing flushed to zero)."""
+    from flashinfer_moe import reference_quant as rq
+    from flashinfer_moe.moe import gemm_nvfp4_kernel as kernel
+
+    k = 256
+    n = 16 * 127  # every (code, scale) pair: 16 codes x 127 finite non-negative scales, and their signs
+    codes = torch.arange(16, dtype=torch.uint8).repeat(n, k // 16).view(1, n, k)
+    scales = torch.arange(127, dtype=torch.uint8).repeat_interleave(16)[:, None].expand(n, k // 16)
+    scales = scales.clone().view(FP8)[None]
+    w = rq.pack_nibbles(codes)
+    eye = torch.eye(k, dtype=torch.bfloat16, device=DEV)
+    out = torch.full((k, n), float("nan"), device=DEV)
+    counts, offsets = torch.tensor([k], dtype=torch.int32), torch.tensor([0, k], dtype=torch.int32)
+    cfg = dict(kernel.CONFIGS[name], SWAP_AB=swap)
+    kernel.launch(
+        eye,
+        w.to(DEV),
+        scales.to(DEV),
+        torch.ones(1, device=DEV),
+        out,
+        counts.to(DEV),
+        offsets.to(DEV),
+        act=0,
+        alpha=1.702,
+        limit=7.0,
+        capacity=2**31 - 1,
+        config=cfg,
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu().t(), rq.dequantize_nvfp4(w, scales, 1.0)[0])
+
+
+@pytest.mark.parametrize(
+    "model, num_experts, top_k, hidden, inter",
+    [
+        ("deepseek_v3", 256, 8, 7168, 2048),
+        ("qwen3_30b_a3b", 128, 8, 2048, 768),
+        ("qwen3_235b_a22b", 128, 8, 4096, 1536),
+    ],
+)
+@pytest.mark.parametrize("num_tokens", [1, 127])
+def test_fused_moe_model_shapes(rng, model, num_experts, top_k, hidden, inter, num_tokens):
+    seed, g = rng
+    x = torch.randn(num_tokens, hidden, generator=g).bfloat16().to(DEV)
+    w13, s13, g13 = random_nvfp4(num_experts, 2 * inter, hidden, g, gated=True)
+    w2, s2, g2 = random_nvfp4(num_experts, hidden, inter, g)
+    weights, ids = fm.route(torch.randn(num_tokens, num_experts, generator=g).to(DEV), top_k)
+    out = torch.full_like(x, float("nan"))
+    kw = dict(quant="nvfp4", w13_scale=s13, w2_scale=s2, w13_global_scale=g13, w2_global_scale=g2)
+    fm.fused_moe(x, w13, w2, weights, ids, out=out, **kw)
+    # float64 model, expert by expert (only the routed ones are dequantized)
+    xd, want = x.double(), torch.zeros(num_tokens, hidden, dtype=torch.float64, device=DEV)
+    for e in ids.unique().tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        w13e = dequantized(w13[e : e + 1], s13[e : e + 1], g13[e : e + 1])[0]
+        w2e = dequantized(w2[e : e + 1], s2[e : e + 1], g2[e : e + 1])[0]
+        h = ref.activation(xd[t] @ w13e.T, "silu")
+        want.index_add_(0, t, (h @ w2e.T) * weights[t, j, None].double())
+    assert not out.isnan().any()
+    assert rel_err(out, want) < 2e-2, f"seed {seed} ({model}, T={num_tokens})"
+
+
+def test_the_compiled_kernel_uses_wgmma():
+    """On Hopper the decode and prefill kernels issue wgmma (HGMMA in the SASS), with the weights expanded in
+    registers."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma is Hopper's")
+    if shutil.which("cuobjdump") is None:
+        pytest.skip("cuobjdump is not on PATH")
+    from flashinfer_moe.moe import gemm_nvfp4_kernel as kernel
+
+    g = torch.Generator().manual_seed(0)
+    for capacity in (16, 512):
+        a = torch.randn(4, capacity, 1024, generator=g).bfloat16().to(DEV)
+        w, s, gs = random_nvfp4(4, 512, 1024, g)
+        fm.grouped_gemm_nvfp4_masked(a, w, s, gs, torch.full((4,), capacity, dtype=torch.int32, device=DEV))
+    torch.cuda.synchronize()
+    compiled = [c for cache in kernel.grouped_gemm_nvfp4_kernel.device_caches.values() for c in cache[0].values()]
+    assert compiled
+    for c in compiled:
+        path = f"/tmp/nvfp4_kernel_{id(c)}.cubin"
+        with open(path, "wb") as f:
+            f.write(c.asm["cubin"])
+        sass = subprocess.run(["cuobjdump", "-sass", path], capture_output=True, text=True, check=True).stdout
+        assert "HGMMA" in sass, f"no wgmma in {c.metadata.name}"

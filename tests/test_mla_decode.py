@@ -1,0 +1,414 @@
+"""Paged MLA decode: the split-KV schedule, the Triton kernels in Triton's interpreter (through the public
+functions), the CPU path, and bad input. Shapes are tiny (few heads, short sequences) but the head dims are
+MLA's; the GPU tier (test_mla_decode_gpu.py) runs the full mixes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from checks import assert_error_names_argument
+
+from flashinfer_moe import reference_mla as ref
+from flashinfer_moe.mla import decode as D
+
+FP8 = torch.float8_e4m3fn
+# Output tolerance (absolute, on outputs of magnitude ~1) per query dtype: the output's rounding plus, on a
+# GPU, the probabilities rounded to the query dtype before P . V.
+OUT_TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+LSE_TOL = 2e-4
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def make_case(
+    g,
+    lens,
+    s_q,
+    heads,
+    page,
+    q_dtype,
+    cache_dtype,
+    *,
+    split=False,
+    kpe_dtype=None,
+    share=True,
+    device="cpu",
+    layer_stride=False,
+):
+    """Queries, a paged cache and a block table for sequences of ``lens`` tokens, pages shuffled over the
+    pool; ``share``: the second sequence's first page is the first's (a shared prefix). Cache entries that no
+    sequence covers, and table entries past a sequence's pages, are poison (NaN rows, out-of-pool ids): a
+    kernel that reads them gives NaN or faults. FP8 caches hold ``N(0, 1) / kv_scale``.
+
+    Returns:
+        dict with q_nope, q_pe, kv_cache, kpe_cache (None unless ``split``), block_table, seq_lens, kv_scale.
+    """
+    batch = len(lens)
+    pages_of = [max(cdiv(n, page), 1) for n in lens]
+    num_pages = sum(pages_of) + 2
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    max_pages = max(pages_of) + 1
+    table = torch.full((batch, max_pages), 2**30, dtype=torch.int32)
+    valid = torch.zeros(num_pages, page, dtype=torch.bool)
+    nxt = 0
+    for b, n in enumerate(lens):
+        ids = torch.tensor(perm[nxt : nxt + pages_of[b]], dtype=torch.int32)
+        nxt += pages_of[b]
+        if share and b == 1 and lens[0] >= page and n >= page:
+            ids[0] = table[0, 0]  # the shared prefix page, full in both sequences
+        table[b, : pages_of[b]] = ids
+        fill = (n - torch.arange(pages_of[b]) * page).clamp(0, page)  # valid tokens per page
+        valid[ids.long()] |= torch.arange(page)[None, :] < fill[:, None]
+    width = 512 if split else 576
+    kv_scale = 1.0 / 32 if cache_dtype == FP8 else None
+
+    def pages(w, dtype):
+        x = torch.randn(num_pages, page, w, generator=g, dtype=torch.float64)
+        if dtype == FP8:
+            x = (x / kv_scale).clamp(-448, 448)
+        x[~valid] = float("nan")
+        return x.to(dtype)
+
+    kv = pages(width, cache_dtype)
+    if layer_stride:  # one layer's slice of a [P, page, layers, W] pool: free page and token strides
+        pool = torch.full((num_pages, page, 3, width), float("nan")).to(cache_dtype)
+        pool[:, :, 1] = kv
+        kv = pool[:, :, 1]
+    kpe = pages(64, kpe_dtype or cache_dtype) if split else None
+    return dict(
+        q_nope=torch.randn(batch, s_q, heads, 512, generator=g).to(q_dtype).to(device),
+        q_pe=torch.randn(batch, s_q, heads, 64, generator=g).to(q_dtype).to(device),
+        kv_cache=kv.to(device),
+        kpe_cache=kpe.to(device) if kpe is not None else None,
+        block_table=table.to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        kv_scale=kv_scale,
+    )
+
+
+def reference(case, sm_scale, causal=True, device="cpu"):
+    """The float64 reference of a case, computed on ``device``."""
+    kpe = case["kpe_cache"]
+    return ref.mla_decode(
+        case["q_nope"].to(device),
+        case["q_pe"].to(device),
+        case["kv_cache"].to(device),
+        case["block_table"].to(device),
+        case["seq_lens"],
+        sm_scale,
+        kpe_cache=None if kpe is None else kpe.to(device),
+        kv_scale=case["kv_scale"],
+        causal=causal,
+    )
+
+
+def assert_close(out, lse, want_out, want_lse, q_dtype, what):
+    out, lse = out.double().to(want_out.device), lse.double().to(want_out.device)
+    assert not out.isnan().any(), f"{what}: NaN in out"
+    err = (out - want_out).abs().max().item()
+    assert err < OUT_TOL[q_dtype], f"{what}: out error {err}"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)), f"{what}: -inf LSEs differ"
+    seen = ~torch.isneginf(want_lse)
+    assert (out[~seen] == 0).all(), f"{what}: a query that sees nothing must give 0"
+    lse_err = (lse[seen] - want_lse[seen]).abs().max().item() if seen.any() else 0.0
+    assert lse_err < LSE_TOL * max(1.0, want_lse[seen].abs().max().item()), f"{what}: LSE error {lse_err}"
+
+
+def run_decode(case, sm_scale, *, causal=True, num_sms=3, scale_tensor=False):
+    """``mla_decode`` with a plan for ``num_sms`` (few, so that sequences split) into NaN-poisoned buffers."""
+    q = case["q_nope"]
+    plan = D.mla_decode_plan(case["seq_lens"], q.shape[1], q.shape[2], num_sms=num_sms)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:3], float("nan"), device=q.device)
+    scale = case["kv_scale"]
+    if scale_tensor and scale is not None:
+        scale = torch.tensor([scale], device=q.device)
+    got = D.mla_decode(
+        q,
+        case["q_pe"],
+        case["kv_cache"],
+        case["block_table"],
+        case["seq_lens"],
+        sm_scale,
+        kpe_cache=case["kpe_cache"],
+        kv_scale=scale,
+        causal=causal,
+        plan=plan,
+        out=out,
+        lse=lse,
+    )
+    assert got[0] is out and got[1] is lse
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+
+
+def walk(sched: torch.Tensor, lens: list[int], num_programs: int):
+    """The pieces the attention programs process, as ``(program, seq, first token, end token, slot or None)``,
+    following the kernel's loop over ``sched``."""
+    batch = len(lens)
+    s = sched.tolist()
+    chunk, total = s[0], s[1]
+    starts, ends, splits, slot = (s[2 + i * batch : 2 + (i + 1) * batch] for i in range(4))
+    first = s[2 + 4 * batch :]
+    pieces = []
+    for p in range(num_programs):
+        cursor, end, b = p * chunk, min(p * chunk + chunk, total), first[p]
+        while cursor < end:
+            piece_end = min(end, ends[b])
+            lo = max(cursor - starts[b] - D.OVERHEAD, 0) * D.UNIT
+            hi = min(max(piece_end - starts[b] - D.OVERHEAD, 0) * D.UNIT, max(lens[b], 0))
+            where = None if splits[b] == 1 else slot[b] + p - starts[b] // chunk
+            pieces.append((p, b, lo, hi, where))
+            cursor, b = piece_end, b + 1
+    return pieces
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The public functions run the Triton kernels (interpreted on CPU tensors without a GPU)."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton interpreter was not selected before the kernel module was imported")
+    monkeypatch.setattr(D, "_plan_op", D._plan_cuda)
+    monkeypatch.setattr(D, "_decode_op", D._decode_cuda)
+
+
+@pytest.mark.parametrize(
+    "lens, programs",
+    [([1, 63, 64, 65, 700], 5), ([0], 1), ([0, 0, 3], 4), ([5000], 7), ([64] * 37, 6), ([1, 2, 3], 40)],
+)
+def test_schedule_covers_every_token_once(interpreted, lens, programs):
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    plan = D.make_plan(seq_lens, 1, 4, programs, 16)  # the Triton plan kernel
+    want = ref.mla_decode_split_plan(seq_lens, programs, D.UNIT, D.OVERHEAD)
+    batch = len(lens)
+    assert plan.sched[0] == want["chunk"] and plan.sched[1] == want["total"]
+    for i, key in enumerate(("starts", "ends", "splits", "slot")):
+        assert plan.sched[2 + i * batch : 2 + (i + 1) * batch].tolist() == want[key].tolist(), key
+    assert plan.sched[2 + 4 * batch :].tolist() == want["first_seq"].tolist()
+    pieces = walk(plan.sched, lens, programs)
+    used_slots = [w for *_, w in pieces if w is not None]
+    assert len(used_slots) == len(set(used_slots)) and all(0 <= w < plan.part_out.shape[0] for w in used_slots)
+    for b, n in enumerate(lens):
+        mine = sorted((lo, hi) for _, pb, lo, hi, _ in pieces if pb == b)
+        assert len(mine) == plan.sched[2 + 2 * batch + b], (b, mine)  # every piece of a split sequence is written
+        covered = [t for lo, hi in mine for t in range(lo, hi)]
+        assert covered == list(range(max(n, 0))), (b, mine)
+
+
+# -------------------------------------------------------------------------------------- kernels, interpreted
+
+
+# (lens, s_q, heads, page, q dtype, cache dtype, split layout, rope dtype, causal)
+KERNEL_CASES = {
+    "page1": ([1, 63, 64, 65, 150], 1, 3, 1, torch.float16, torch.float16, False, None, True),
+    "page16-sq2": ([1, 63, 64, 65, 150], 2, 2, 16, torch.float16, torch.float16, False, None, True),
+    "page32-bf16-sq4": ([4, 63, 65, 130], 4, 2, 32, torch.bfloat16, torch.bfloat16, False, None, True),
+    "page64-noncausal": ([1, 64, 65, 200], 2, 3, 64, torch.float16, torch.float16, False, None, False),
+    "page128-split": ([0, 63, 129, 260], 1, 2, 128, torch.bfloat16, torch.bfloat16, True, None, True),
+    "fp8-page64": ([1, 63, 64, 65, 150], 2, 2, 64, torch.bfloat16, FP8, False, None, True),
+    "fp8-bf16rope-page16": ([2, 64, 65, 140], 1, 3, 16, torch.bfloat16, FP8, True, torch.bfloat16, True),
+    "fp8-fp8rope-page32": ([33, 100], 4, 2, 32, torch.float16, FP8, True, FP8, True),
+    "heads16-sq2": ([1, 65, 130], 2, 16, 16, torch.float16, torch.float16, False, None, True),
+    "heads16-sq4": ([3, 64, 100], 4, 16, 32, torch.float16, FP8, False, None, True),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_decode_kernel_interpreted(rng, interpreted, name):
+    lens, s_q, heads, page, q_dtype, cache_dtype, split, kpe_dtype, causal = KERNEL_CASES[name]
+    seed, g = rng
+    case = make_case(
+        g,
+        lens,
+        s_q,
+        heads,
+        page,
+        q_dtype,
+        cache_dtype,
+        split=split,
+        kpe_dtype=kpe_dtype,
+        layer_stride=name == "page16-sq2",
+    )
+    sm_scale = 0.1
+    out, lse = run_decode(case, sm_scale, causal=causal, scale_tensor=name.startswith("fp8-bf16"))
+    assert_close(out, lse, *reference(case, sm_scale, causal), q_dtype, f"{name} seed {seed}")
+
+
+def test_graph_style_replan_in_place(rng, interpreted):
+    """One plan refilled in place (``out=plan``) serves new lengths of the same batch, as a replayed graph does."""
+    seed, g = rng
+    case = make_case(g, [70, 3, 129], 1, 2, 16, torch.float16, torch.float16)
+    plan = D.mla_decode_plan(case["seq_lens"], 1, 2, num_sms=2)
+    buffers = (plan.sched.data_ptr(), plan.part_out.data_ptr())
+    for lens in ([70, 3, 129], [1, 0, 5], [64, 2, 100]):  # within the table's pages
+        case["seq_lens"].copy_(torch.tensor(lens))
+        assert D.mla_decode_plan(case["seq_lens"], 1, 2, out=plan) is plan
+        out, lse = D.mla_decode(
+            case["q_nope"],
+            case["q_pe"],
+            case["kv_cache"],
+            case["block_table"],
+            case["seq_lens"],
+            0.2,
+            plan=plan,
+            return_lse=True,
+        )
+        assert_close(out, lse, *reference(case, 0.2), torch.float16, f"lens {lens} seed {seed}")
+    assert (plan.sched.data_ptr(), plan.part_out.data_ptr()) == buffers
+
+
+# ----------------------------------------------------------------------------------------------- CPU path
+
+
+@pytest.mark.parametrize("cache_dtype, split", [(torch.bfloat16, False), (FP8, True)])
+def test_cpu_path_matches_reference(rng, cache_dtype, split):
+    seed, g = rng
+    case = make_case(g, [0, 1, 63, 64, 65, 300], 2, 4, 32, torch.bfloat16, cache_dtype, split=split)
+    want_out, want_lse = reference(case, 0.07)
+    out, lse = D.mla_decode(
+        case["q_nope"],
+        case["q_pe"],
+        case["kv_cache"],
+        case["block_table"],
+        case["seq_lens"],
+        0.07,
+        kpe_cache=case["kpe_cache"],
+        kv_scale=case["kv_scale"],
+        return_lse=True,
+    )
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert_close(out, lse, want_out, want_lse, torch.bfloat16, f"seed {seed}")
+    plain = D.mla_decode(
+        case["q_nope"],
+        case["q_pe"],
+        case["kv_cache"],
+        case["block_table"],
+        case["seq_lens"],
+        0.07,
+        kpe_cache=case["kpe_cache"],
+        kv_scale=case["kv_scale"],
+    )
+    assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
+
+
+def test_opcheck_cpu(generator):
+    case = make_case(generator, [3, 20], 2, 2, 16, torch.bfloat16, torch.bfloat16, share=False)
+    case["block_table"] = case["block_table"].clamp(max=case["kv_cache"].shape[0] - 1)
+    plan = D.mla_decode_plan(case["seq_lens"], 2, 2)
+    torch.library.opcheck(torch.ops.flashinfer_moe.mla_decode_plan_.default, (case["seq_lens"], plan.sched, 8))
+    kv = case["kv_cache"].nan_to_num()
+    args = (
+        case["q_nope"],
+        case["q_pe"],
+        kv,
+        kv[..., 512:],
+        case["block_table"],
+        case["seq_lens"],
+        plan.sched,
+        plan.part_out,
+        plan.part_lse,
+        torch.empty(2, 2, 2, 512, dtype=torch.bfloat16),
+        torch.empty(2, 2, 2),
+        0.1,
+        None,
+        1.0,
+        True,
+        plan.num_programs,
+        16,
+        64,
+        4,
+        2,
+    )
+    torch.library.opcheck(torch.ops.flashinfer_moe.mla_decode_.default, args)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def _bad_inputs():
+    def mutate(**changes):
+        return changes
+
+    f16 = torch.float16
+    return {
+        "q_nope head dim": (mutate(q_nope=torch.zeros(2, 1, 2, 256, dtype=f16)), ValueError, "q_nope"),
+        "q_nope dtype": (mutate(q_nope=torch.zeros(2, 1, 2, 512)), TypeError, "q_nope"),
+        "s_q 9": (mutate(q_nope=torch.zeros(2, 9, 2, 512, dtype=f16)), ValueError, "q_nope"),
+        "q_pe rope dim": (mutate(q_pe=torch.zeros(2, 1, 2, 32, dtype=f16)), ValueError, "q_pe"),
+        "q_pe dtype": (mutate(q_pe=torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16)), TypeError, "q_pe"),
+        "page size 8": (mutate(kv_cache=torch.zeros(4, 8, 576, dtype=f16)), ValueError, "kv_cache"),
+        "cache width": (mutate(kv_cache=torch.zeros(4, 16, 512, dtype=f16)), ValueError, "kv_cache"),
+        "cache dtype": (mutate(kv_cache=torch.zeros(4, 16, 576, dtype=torch.bfloat16)), TypeError, "kv_cache"),
+        "cache strided": (mutate(kv_cache=torch.zeros(4, 16, 1152, dtype=f16)[..., ::2]), ValueError, "kv_cache"),
+        "kpe shape": (
+            mutate(kv_cache=torch.zeros(4, 16, 512, dtype=f16), kpe_cache=torch.zeros(4, 16, 32, dtype=f16)),
+            ValueError,
+            "kpe_cache",
+        ),
+        "kpe dtype": (
+            mutate(kv_cache=torch.zeros(4, 16, 512, dtype=f16), kpe_cache=torch.zeros(4, 16, 64, dtype=FP8)),
+            TypeError,
+            "kpe_cache",
+        ),
+        "table dtype": (mutate(block_table=torch.zeros(2, 4, dtype=torch.int64)), TypeError, "block_table"),
+        "table rows": (mutate(block_table=torch.zeros(3, 4, dtype=torch.int32)), ValueError, "block_table"),
+        "table too small": (mutate(seq_lens=torch.tensor([5, 65], dtype=torch.int32)), ValueError, "seq_lens"),
+        "seq_lens dtype": (mutate(seq_lens=torch.tensor([5, 6])), TypeError, "seq_lens"),
+        "seq_lens batch": (mutate(seq_lens=torch.tensor([5], dtype=torch.int32)), ValueError, "seq_lens"),
+        "sm_scale": (mutate(sm_scale=-1.0), ValueError, "sm_scale"),
+        "fp8 without scale": (mutate(kv_cache=torch.zeros(4, 16, 576, dtype=FP8)), ValueError, "kv_scale"),
+        "fp8 scale shape": (
+            mutate(kv_cache=torch.zeros(4, 16, 576, dtype=FP8), kv_scale=torch.ones(2)),
+            ValueError,
+            "kv_scale",
+        ),
+        "out dtype": (mutate(out=torch.zeros(2, 1, 2, 512)), ValueError, "out"),
+        "lse shape": (mutate(lse=torch.zeros(2, 2)), ValueError, "lse"),
+        "causal": (mutate(causal=1), TypeError, "causal"),
+        "plan type": (mutate(plan="auto"), TypeError, "plan"),
+    }
+
+
+BAD = _bad_inputs()
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_names_the_argument(name):
+    changes, exc, arg = BAD[name]
+    f16 = torch.float16
+    args = dict(
+        q_nope=torch.zeros(2, 1, 2, 512, dtype=f16),
+        q_pe=torch.zeros(2, 1, 2, 64, dtype=f16),
+        kv_cache=torch.zeros(4, 16, 576, dtype=f16),
+        block_table=torch.zeros(2, 4, dtype=torch.int32),
+        seq_lens=torch.tensor([5, 64], dtype=torch.int32),
+        sm_scale=0.1,
+    )
+    args.update(changes)
+    pos = [args.pop(k) for k in ("q_nope", "q_pe", "kv_cache", "block_table", "seq_lens", "sm_scale")]
+    assert_error_names_argument(lambda: D.mla_decode(*pos, **args), exc, arg)
+
+
+def test_plan_bad_input_and_mismatch():
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    assert_error_names_argument(lambda: D.mla_decode_plan(lens, 9, 16), ValueError, "s_q")
+    assert_error_names_argument(lambda: D.mla_decode_plan(lens.long(), 1, 16), TypeError, "seq_lens")
+    assert_error_names_argument(lambda: D.mla_decode_plan(lens, 1, 0), ValueError, "num_heads")
+    assert_error_names_argument(lambda: D.mla_decode_plan(lens, 1, 16, max_splits=0), ValueError, "max_splits")
+    plan = D.mla_decode_plan(lens, 1, 16)
+    assert_error_names_argument(lambda: D.mla_decode_plan(lens, 2, 16, out=plan), ValueError, "out")
+    q = torch.zeros(2, 2, 16, 512, dtype=torch.float16)
+
+    def call():
+        kv = torch.zeros(4, 16, 576, dtype=torch.float16)
+        q_pe = torch.zeros(2, 2, 16, 64, dtype=torch.float16)
+        return D.mla_decode(q, q_pe, kv, torch.zeros(2, 4, dtype=torch.int32), lens, 0.1, plan=plan)
+
+    assert_error_names_argument(call, ValueError, "plan")
+    assert D.mla_decode_plan(lens, 1, 16, max_splits=3).num_programs <= 3
