@@ -29,7 +29,7 @@ from .comm.alltoall import MoEAllToAll
 from .comm.collective import _permute_any
 from .graphs import ShapeGraphs
 from .layer import BLOCK, QUANTS, MoELayer, _capturing, finite
-from .moe import gemm
+from .moe import gemm, gemm_nvfp4
 from .moe.fused import fused_moe
 from .moe.layout import moe_align_contiguous
 from .moe.packed import PackedFp8BlockWeights
@@ -39,6 +39,8 @@ from .moe.routing import route
 from .phases import PhaseClock
 
 __all__ = ["EPMoELayer"]
+
+FP8_QUANTS = ("fp8_block", "fp8_tensor")  # the quants whose tokens travel as FP8 rows
 
 MODES = ("auto", "high_throughput", "low_latency")
 PHASES = ("route", "dispatch", "experts", "combine", "shared")
@@ -59,8 +61,9 @@ class EPMoELayer(nn.Module):
         intermediate_size: ``I`` (a multiple of 128 with FP8).
         group: the ``torch.distributed`` process group; None is the default group.
         quant: ``None`` (``params_dtype`` weights and rows), ``"fp8_block"`` (DeepSeek-V3 128 x 128 weight
-            blocks) or ``"fp8_tensor"`` (one weight scale per expert). With either FP8 form, tokens travel as
-            FP8 with one scale per 128 channels and the experts consume them so.
+            blocks), ``"fp8_tensor"`` (one weight scale per expert) or ``"nvfp4"`` (ModelOpt NVFP4 weights,
+            W4A16). With either FP8 form, tokens travel as FP8 with one scale per 128 channels and the experts
+            consume them so; with ``"nvfp4"`` they travel as ``params_dtype``.
         mode: ``"high_throughput"``, ``"low_latency"`` or ``"auto"``: low latency for calls of at most
             ``low_latency_max_tokens`` tokens, high throughput above. Every rank must take the same mode at
             each call (pad decode batches to a common size): ranks that disagree wait for each other in
@@ -149,7 +152,7 @@ class EPMoELayer(nn.Module):
                 )
             if quant not in QUANTS:
                 raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
-            if quant is not None and (hidden_size % BLOCK or intermediate_size % BLOCK):
+            if quant in FP8_QUANTS and (hidden_size % BLOCK or intermediate_size % BLOCK):
                 raise ValueError(
                     f"hidden_size and intermediate_size must be multiples of {BLOCK} with quant={quant!r} (FP8 "
                     f"rows travel with one scale per {BLOCK} channels), got {hidden_size} and {intermediate_size}"
@@ -186,6 +189,7 @@ class EPMoELayer(nn.Module):
         self.experts_per_rank = num_experts // self.world_size
         self.first_expert = self.rank * self.experts_per_rank
         self.quant, self.mode, self.params_dtype, self.device = quant, mode, params_dtype, device
+        self._fp8 = quant in FP8_QUANTS  # FP8 rows (with per-128 scales) travel; else params_dtype rows
         self.max_tokens_per_rank = max_tokens_per_rank
         self.low_latency_max_tokens = min(low_latency_max_tokens, max_tokens_per_rank)
         self.scoring_func, self.renormalize = scoring_func, bool(renormalize)
@@ -233,8 +237,8 @@ class EPMoELayer(nn.Module):
             self._comms[mode] = MoEAllToAll(
                 group, num_experts=self.num_experts, top_k=self.top_k, hidden_size=self.hidden_size,
                 max_tokens_per_rank=self.max_tokens_per_rank if mode == "high_throughput" else self.low_latency_max_tokens,
-                dtype=FP8 if self.quant else self.params_dtype, mode=mode, backend=backend,
-                combine_dtype=self.params_dtype, scale_groups=self.hidden_size // BLOCK if self.quant else 0,
+                dtype=FP8 if self._fp8 else self.params_dtype, mode=mode, backend=backend,
+                combine_dtype=self.params_dtype, scale_groups=self.hidden_size // BLOCK if self._fp8 else 0,
                 timeout_s=timeout_s,
             )  # fmt: skip
         first = next(iter(self._comms.values()))
@@ -324,7 +328,7 @@ class EPMoELayer(nn.Module):
         if self.shared is not None and phase_times is None:
             shared = self._shared_async(x)
         with clock("dispatch"):
-            if self.quant is not None:
+            if self._fp8:
                 rows, scales = quantize_fp8_per_token_group(x, BLOCK)  # [T, H], [T, H / 128]
             else:
                 rows, scales = x.to(self.params_dtype), None
@@ -384,6 +388,10 @@ class EPMoELayer(nn.Module):
         if self.quant is None:
             run = gemm.grouped_gemm_bf16_masked if masked else gemm.grouped_gemm_bf16_contiguous
             return run(run(a, w13, where, **act), w2, where)
+        if self.quant == "nvfp4":  # W4A16: the rows stay bf16/fp16; global scales were checked at load
+            run = gemm_nvfp4.grouped_gemm_nvfp4_masked if masked else gemm_nvfp4.grouped_gemm_nvfp4_contiguous
+            h1 = run(a, w13, ex.w13_scale, ex.w13_global_scale, where, validate=False, **act)
+            return run(h1, w2, ex.w2_scale, ex.w2_global_scale, where, validate=False)
         if self.quant == "fp8_block":
             run = gemm.grouped_gemm_fp8_block_masked if masked else gemm.grouped_gemm_fp8_block_contiguous
         else:
@@ -408,7 +416,7 @@ class EPMoELayer(nn.Module):
         contiguous layout in both modes (its size depends on the shapes only, so it is capturable too, and at
         decode sizes it measured faster than the masked layout)."""
         layout = moe_align_contiguous(ids, self.experts_per_rank, 1, validate=False)
-        if self.quant is None:
+        if not self._fp8:
             a, a_scale = permute(x.to(self.params_dtype), layout), None
         else:
             a, a_scale = permute_fp8_per_token_group(x, layout)
@@ -423,8 +431,14 @@ class EPMoELayer(nn.Module):
         weights, ids = self._shared_weights[: x.shape[0]], self._shared_ids[: x.shape[0]]
         return fused_moe(
             x, s.w13, s.w2, weights, ids, quant=self.quant, w13_scale=s.w13_scale, w2_scale=s.w2_scale,
+            **self._global_scales(s),
             activation=s.activation, alpha=s.alpha, limit=s.limit, validate=False,
         ).to(self.params_dtype)  # fmt: skip
+
+    def _global_scales(self, layer) -> dict:
+        if self.quant != "nvfp4":
+            return {}
+        return dict(w13_global_scale=layer.w13_global_scale, w2_global_scale=layer.w2_global_scale)
 
     def _shared_async(self, x: torch.Tensor):
         """Starts the shared MLP on the side stream (GPU), so that it runs while the tokens travel."""

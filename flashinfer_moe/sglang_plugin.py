@@ -28,7 +28,9 @@ logger = logging.getLogger("flashinfer_moe.sglang")
 _QUANT_METHODS = (
     "sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod",
     "sglang.srt.layers.quantization.fp8.Fp8MoEMethod",
+    "sglang.srt.layers.quantization.modelopt_quant.ModelOptNvFp4FusedMoEMethod",
 )
+_NVFP4_METHOD = _QUANT_METHODS[2]
 _LOADER = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.weight_loader"
 _registered = False
 _announced: set[str] = set()
@@ -86,6 +88,7 @@ def register() -> None:
         HookRegistry.register(f"{cls}.process_weights_after_loading", _process_weights_after_loading, HookType.AROUND)
         HookRegistry.register(f"{cls}.apply", _apply, HookType.AROUND)
     HookRegistry.register(_LOADER, _weight_loader, HookType.AROUND)
+    HookRegistry.register(f"{_NVFP4_METHOD}.__init__", _nvfp4_init, HookType.AROUND)
     _registered = True
 
 
@@ -97,19 +100,28 @@ def backend_selected() -> bool:
 
 
 @contextmanager
-def _sglang_choice():
-    """SGLang's own code for a layer we leave to it (or a step we keep, such as its per-tensor scale merge)
-    runs as under ``--moe-runner-backend auto``: that code branches on the global choice."""
+def _sglang_choice(name: str = "auto"):
+    """SGLang's own code for a layer we leave to it runs as under ``--moe-runner-backend auto`` (or
+    ``name``): that code branches on the global choice."""
     from sglang.srt.layers.moe.utils import MoeRunnerBackend
     from sglang.srt.runtime_context import get_flags
 
     flags = get_flags().moe
     saved = flags.runner_backend
-    flags.runner_backend = MoeRunnerBackend.AUTO
+    flags.runner_backend = MoeRunnerBackend(name)
     try:
         yield
     finally:
         flags.runner_backend = saved
+
+
+def _nvfp4_init(original, method, *args, **kwargs):
+    # SGLang's NVFP4 method refuses any backend but its own Blackwell kernels and Marlin (Hopper, Ampere) when
+    # it is built; under ours it is built as for Marlin, the layout-neutral choice, and taken over afterwards.
+    if not backend_selected():
+        return original(method, *args, **kwargs)
+    with _sglang_choice("marlin"):
+        return original(method, *args, **kwargs)
 
 
 def _layer_name(layer) -> str:
@@ -136,6 +148,7 @@ def _create_moe_runner(original, method, layer, moe_runner_config):
             return original(method, layer, moe_runner_config)
     method.moe_runner_config = moe_runner_config
     method.runner = MoeRunner(resolve_moe_runner_backend(BACKEND), moe_runner_config)
+    method._moe_runner_backend = method.runner.runner_backend  # what the FP8 and NVFP4 methods report
     if hasattr(method, "_owns_moe_runner"):
         method._owns_moe_runner = True
     what = takeover.describe(method)
@@ -186,19 +199,27 @@ def _apply(original, method, *args, **kwargs):
     return method.runner.run(dispatch_output, quant_info_for(layer, takeover))
 
 
-def _expected_shard_shape(layer, param, shard_id: str) -> tuple[str, tuple[int | None, int | None]] | None:
-    """``(what, (rows, cols))`` a checkpoint tensor for ``param`` must have (None: any), for the weights and
-    block scales of a layer we run; None for other parameters (SGLang checks those itself)."""
-    h = layer.hidden_size
-    i_full = layer.intermediate_size_per_partition * (1 if layer.use_presharded_weights else layer.moe_tp_size)
-    if param is layer.w13_weight or param is layer.w2_weight:
-        block, what = 1, "weight"
-    elif param is getattr(layer, "w13_weight_scale_inv", None) or param is getattr(layer, "w2_weight_scale_inv", None):
-        block, what = 128, "weight_scale_inv"
-    else:
+def _expected_shard_shape(layer, param, shard_id: str) -> tuple[str, tuple[int, int]] | None:
+    """``(name, (rows, cols))`` a per-expert checkpoint tensor for ``param`` must have, for the weights and block
+    scales (3-D parameters) of a layer we run; None for other parameters (SGLang checks those itself). A
+    gate or up shard is half of w13's rows, on every tensor-parallel rank unless presharded."""
+    if getattr(param, "ndim", 0) != 3:
         return None
-    h_b, i_b = -(-h // block), -(-i_full // block)
-    return (what, (i_b, h_b)) if shard_id in ("w1", "w3") else (what, (h_b, i_b))
+    names = (
+        "w13_weight",
+        "w2_weight",
+        "w13_weight_scale_inv",
+        "w2_weight_scale_inv",
+        "w13_weight_scale",
+        "w2_weight_scale",
+    )
+    name = next((n for n in names if getattr(layer, n, None) is param), None)
+    if name is None:
+        return None
+    tp = 1 if layer.use_presharded_weights else layer.moe_tp_size
+    if name.startswith("w13"):
+        return name, (param.shape[1] // 2 * tp, param.shape[2])
+    return name, (param.shape[1], param.shape[2] * tp)
 
 
 def _weight_loader(original, layer, *args, **kwargs):
@@ -216,7 +237,7 @@ def _weight_loader(original, layer, *args, **kwargs):
             if tuple(loaded.shape) != shape:
                 raise ValueError(
                     f"{bound.get('weight_name')} (expert {bound.get('expert_id')}, shard {bound.get('shard_id')}) "
-                    f"must be a {what} of shape {shape} for {_layer_name(layer)} (H={layer.hidden_size}, "
+                    f"must have the shape {shape} for {what} of {_layer_name(layer)} (H={layer.hidden_size}, "
                     f"I={layer.intermediate_size_per_partition} per rank), got {tuple(loaded.shape)}"
                 )
     return original(layer, *args, **kwargs)

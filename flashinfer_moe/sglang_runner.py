@@ -15,6 +15,7 @@ from sglang.srt.layers.moe.moe_runner.base import DispatchMoeRunnerCore, MoeQuan
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 from sglang.srt.layers.moe.utils import get_moe_a2a_backend, resolve_moe_runner_backend
 from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
+from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4FusedMoEMethod
 from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 from sglang.srt.utils import is_cuda
 
@@ -31,8 +32,10 @@ class FlashInferMoEQuantInfo(MoeQuantInfo):
     Attributes:
         w13: `[E, 2I, H]` gate rows then up rows (bf16/fp16, or float8_e4m3fn with ``quant``).
         w2: `[E, H, I]`, the dtype of ``w13``.
-        quant: ``None``, ``"fp8_block"`` or ``"fp8_tensor"``.
-        w13_scale, w2_scale: ``[E, 2I/128, H/128]``/``[E, H/128, I/128]`` (block) or `[E]` (tensor) float32.
+        quant: ``None``, ``"fp8_block"``, ``"fp8_tensor"`` or ``"nvfp4"``.
+        w13_scale, w2_scale: ``[E, 2I/128, H/128]``/``[E, H/128, I/128]`` (block) or `[E]` (tensor) float32;
+            NVFP4: the E4M3 block scales ``[E, 2I, H/16]``/``[E, H, I/16]``.
+        w13_global_scale, w2_global_scale: NVFP4 only, ModelOpt's ``weight_scale_2``: `[E, 2]` (gate, up), `[E]`.
         a13_scale, a2_scale: static activation scales (per-tensor FP8 with ``activation_scheme="static"``).
         activation: ``"silu"`` or ``"clamped_silu"``; ``alpha``/``limit`` for the latter.
     """
@@ -44,6 +47,8 @@ class FlashInferMoEQuantInfo(MoeQuantInfo):
     w2_scale: torch.Tensor | None = None
     a13_scale: torch.Tensor | None = None
     a2_scale: torch.Tensor | None = None
+    w13_global_scale: torch.Tensor | None = None
+    w2_global_scale: torch.Tensor | None = None
     activation: str = "silu"
     alpha: float = 1.702
     limit: float = 7.0
@@ -61,7 +66,12 @@ class Takeover:
     split_interleaved_w13: bool
 
     def describe(self, method: object) -> str:
-        what = {None: "bf16/fp16", "fp8_block": "FP8 block 128x128", "fp8_tensor": "FP8 per tensor"}[self.quant]
+        what = {
+            None: "bf16/fp16",
+            "fp8_block": "FP8 block 128x128",
+            "fp8_tensor": "FP8 per tensor",
+            "nvfp4": "NVFP4 W4A16",
+        }[self.quant]
         return f"{type(method).__name__} ({what}, {self.activation})"
 
 
@@ -85,8 +95,18 @@ def plan_takeover(method: object, layer: torch.nn.Module) -> tuple[Takeover | No
             quant = "fp8_block"
         else:
             quant = "fp8_tensor"
+    elif type(method) is ModelOptNvFp4FusedMoEMethod:
+        config = method.quant_config
+        if not config.is_checkpoint_nvfp4_serialized or config.group_size not in (None, 16):
+            return None, "NVFP4 other than a serialized ModelOpt checkpoint with 16-element groups"
+        if getattr(layer, "inference_moe_w13_interleaved", False):
+            return None, "NVFP4 gate/up rows stored interleaved"
+        quant = "nvfp4"
     else:
-        return None, f"quant method {type(method).__name__} (unquantized and Fp8MoEMethod are supported)"
+        return (
+            None,
+            f"quant method {type(method).__name__} (unquantized, Fp8MoEMethod and ModelOpt NVFP4 are supported)",
+        )
     if getattr(method, "with_bias", False):
         return None, "expert biases"
     if not cfg.is_gated or cfg.activation != "silu":
@@ -101,7 +121,9 @@ def plan_takeover(method: object, layer: torch.nn.Module) -> tuple[Takeover | No
         return None, f"apply_router_weight_on_input with top_k={cfg.top_k} (SGLang allows it with top_k=1)"
     if not get_moe_a2a_backend().is_none():
         return None, f"--moe-a2a-backend {get_moe_a2a_backend().value} (its dispatch output is not the standard one)"
-    h, two_i = layer.w13_weight.shape[2], layer.w13_weight.shape[1]
+    h, two_i = layer.w13_weight.shape[2] * (2 if quant == "nvfp4" else 1), layer.w13_weight.shape[1]
+    if quant == "nvfp4" and (h % 32 or (two_i // 2) % 32):
+        return None, f"H={h}, I={two_i // 2} not multiples of 32 with NVFP4"
     if quant == "fp8_block" and (h % SCALE_BLOCK or (two_i // 2) % SCALE_BLOCK):
         return None, f"H={h}, I={two_i // 2} not multiples of 128 with FP8 block scales"
     activation, alpha, limit, interleaved = "silu", 1.702, 7.0, False
@@ -175,6 +197,9 @@ def quant_info_for(layer: torch.nn.Module, takeover: Takeover) -> FlashInferMoEQ
         # Static activation scales: SGLang has reduced them to one per layer after loading.
         info.a13_scale = getattr(layer, "w13_input_scale", None)
         info.a2_scale = getattr(layer, "w2_input_scale", None)
+    elif takeover.quant == "nvfp4":  # W4A16: the input scales are not used
+        info.w13_scale, info.w2_scale = layer.w13_weight_scale, layer.w2_weight_scale
+        info.w13_global_scale, info.w2_global_scale = layer.w13_weight_scale_2, layer.w2_weight_scale_2
     return info
 
 
@@ -234,6 +259,8 @@ class FlashInferMoERunnerCore(DispatchMoeRunnerCore):
             limit=quant_info.limit,
             validate=False,  # SGLang's ids are in range by construction; no host sync per layer
         )
+        if quant_info.quant == "nvfp4":
+            kwargs.update(w13_global_scale=quant_info.w13_global_scale, w2_global_scale=quant_info.w2_global_scale)
         if cfg.no_combine:
             # Each token's k expert outputs stay apart (unweighted unless asked), unscaled: the caller sums.
             out = torch.empty(x.shape[0], ids.shape[1], x.shape[1], dtype=x.dtype, device=x.device)

@@ -140,6 +140,7 @@ def time_ours(cache: Cache, q_nope, q_pe, config: dict | None = None) -> float:
                 config["BLOCK_N"],
                 config["num_warps"],
                 config["num_stages"],
+                config.get("PREFETCH", 0),
             )
 
     return time_graph(fn, calls=10, reps=10)
@@ -251,11 +252,12 @@ def bench(args) -> list[dict]:
 
 SWEEP = [
     dict(BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1),
-    dict(BLOCK_N=32, num_warps=8, num_stages=3, ctas_per_sm=1),
-    dict(BLOCK_N=16, num_warps=8, num_stages=3, ctas_per_sm=1),
     dict(BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1),
-    dict(BLOCK_N=32, num_warps=4, num_stages=2, ctas_per_sm=1),
-    dict(BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=2),
+    dict(BLOCK_N=64, num_warps=8, num_stages=1, ctas_per_sm=1, PREFETCH=1),
+    dict(BLOCK_N=64, num_warps=4, num_stages=2, ctas_per_sm=2),
+    dict(BLOCK_N=64, num_warps=4, num_stages=1, ctas_per_sm=2, PREFETCH=1),
+    dict(BLOCK_N=64, num_warps=16, num_stages=1, ctas_per_sm=1, PREFETCH=1),
+    dict(BLOCK_N=32, num_warps=4, num_stages=2, ctas_per_sm=2),
 ]
 
 

@@ -36,13 +36,19 @@ UNIT, OVERHEAD = 64, 2  # the schedule's cost model (mla/decode_kernel.py)
 CPU_NUM_SMS = 8  # the schedule's program count where there are no SMs (the CPU path ignores it)
 
 # Kernel configuration per row block (``BLOCK_M`` (new token, head) rows per program): tokens per tile, warps,
-# pipeline stages, and programs per SM that the schedule plans for. FP8 rows may differ (key ``(BLOCK_M, True)``).
-# Chosen from sm_90a builds without spills where one exists (BLOCK_M 64 spills ~600 bytes in all tried); to be
-# confirmed by launch/bench_mla.py --sweep on the GPU.
+# pipeline stages, programs per SM that the schedule plans for (read from the bf16 entry for both caches), and
+# PREFETCH (the next tile's loads issued before this tile's math). From launch/bench_mla.py --sweep on an H200
+# (s_k 8192, page 64): 64-token tiles are 1.3-1.5x faster than 32 everywhere (stages 2-4 time the same: the
+# gathered loads are not overlapped by Triton's pipelining, so bytes in flight come from tile size and CTAs);
+# 16 rows: two 4-warp programs per SM; 32 rows: the register double buffer (1.15x); 64 rows: neither (both
+# spill the `[64, 512]` accumulator).
 CONFIGS: dict[tuple[int, bool], dict[str, int]] = {
-    (block_m, fp8): dict(BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1)
-    for block_m in (16, 32, 64)
-    for fp8 in (False, True)
+    (16, False): dict(BLOCK_N=64, num_warps=4, num_stages=2, ctas_per_sm=2, PREFETCH=0),
+    (32, False): dict(BLOCK_N=64, num_warps=8, num_stages=1, ctas_per_sm=1, PREFETCH=1),
+    (64, False): dict(BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, PREFETCH=0),
+    (16, True): dict(BLOCK_N=64, num_warps=4, num_stages=2, ctas_per_sm=2, PREFETCH=0),
+    (32, True): dict(BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, PREFETCH=0),
+    (64, True): dict(BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, PREFETCH=0),
 }
 
 LIB.define("mla_decode_plan_(Tensor seq_lens, Tensor(a!) sched, int num_programs) -> ()")
@@ -50,7 +56,7 @@ LIB.define(
     "mla_decode_(Tensor q_nope, Tensor q_pe, Tensor ckv, Tensor kpe, Tensor block_table, Tensor seq_lens, "
     "Tensor sched, Tensor(a!) part_out, Tensor(b!) part_lse, Tensor(c!) out, Tensor(d!)? lse, float sm_scale, "
     "Tensor? kv_scale_tensor, float kv_scale, bool causal, int num_programs, int block_m, int block_n, "
-    "int num_warps, int num_stages) -> ()"
+    "int num_warps, int num_stages, int prefetch) -> ()"
 )
 
 
@@ -97,6 +103,7 @@ def _decode_cpu(
     block_n,
     num_warps,
     num_stages,
+    prefetch,
 ):
     scale = float(kv_scale_tensor.reshape(())) if kv_scale_tensor is not None else kv_scale
     o, s = ref.mla_decode(
@@ -137,10 +144,11 @@ def _decode_cuda(
     block_n,
     num_warps,
     num_stages,
+    prefetch,
 ):
     from . import decode_kernel
 
-    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, PREFETCH=prefetch)
     scale = kv_scale_tensor if kv_scale_tensor is not None else kv_scale
     with _on(q_nope):
         decode_kernel.launch_decode(
@@ -513,5 +521,6 @@ def mla_decode(
         config["BLOCK_N"],
         config["num_warps"],
         config["num_stages"],
+        config["PREFETCH"],
     )
     return (out, lse) if lse is not None else out

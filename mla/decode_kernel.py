@@ -126,20 +126,12 @@ def launch_plan(seq_lens, sched, num_programs: int) -> None:
 
 
 @triton.jit
-def _tile(
-    acc,
-    m_i,
-    l_i,
-    qn,
-    qp,
+def _load_tile(
     ckv_ptr,
     kpe_ptr,
     bt_row,
     t,
     tok_hi,
-    row_vis,
-    nope_scale,
-    pe_scale,
     stride_ckv_p,
     stride_ckv_t,
     stride_kpe_p,
@@ -147,10 +139,9 @@ def _tile(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
-    MIXED: tl.constexpr,
-    UPCAST: tl.constexpr,
 ):
-    """One `[BLOCK_N]` tile of cached tokens ``t ..`` folded into the running ``(acc, m_i, l_i)``."""
+    """The cached tokens ``t .. t + BLOCK_N`` as stored: latent `[512, BLOCK_N]` and rope `[64, BLOCK_N]`
+    (transposed: the scores' B operand as it is; the values are its transpose)."""
     n = t + tl.arange(0, BLOCK_N)
     dl = tl.arange(0, _DL)
     dr = tl.arange(0, _DR)
@@ -168,13 +159,35 @@ def _tile(
         slot = (n % PAGE).to(tl.int64)
         ckv_rows = pages * stride_ckv_p + slot * stride_ckv_t
         kpe_rows = pages * stride_kpe_p + slot * stride_kpe_t
-    # Loaded transposed, `[512, BLOCK_N]`: the scores' B operand as it is; the values are its transpose.
     if MASKED:
         ckv_t = tl.load(ckv_ptr + ckv_rows[None, :] + dl[:, None], mask=in_range[None, :], other=0.0)
         kpe_t = tl.load(kpe_ptr + kpe_rows[None, :] + dr[:, None], mask=in_range[None, :], other=0.0)
     else:
         ckv_t = tl.load(ckv_ptr + ckv_rows[None, :] + dl[:, None])
         kpe_t = tl.load(kpe_ptr + kpe_rows[None, :] + dr[:, None])
+    return ckv_t, kpe_t
+
+
+@triton.jit
+def _fold(
+    acc,
+    m_i,
+    l_i,
+    qn,
+    qp,
+    ckv_t,
+    kpe_t,
+    t,
+    tok_hi,
+    row_vis,
+    nope_scale,
+    pe_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    MIXED: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One loaded tile folded into the running ``(acc, m_i, l_i)``."""
     ckv_t = ckv_t.to(qn.dtype)
     kpe_t = kpe_t.to(qp.dtype)
     if MIXED:  # FP8 latent with a bf16/fp16 rope: the two parts have different scales
@@ -182,6 +195,7 @@ def _tile(
     else:
         s = tl.dot(qp, kpe_t, acc=tl.dot(qn, ckv_t)) * nope_scale
     if MASKED:
+        n = t + tl.arange(0, BLOCK_N)
         s = tl.where(n[None, :] < tl.minimum(row_vis, tok_hi)[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
@@ -213,6 +227,7 @@ def _decode_kernel(
     M,
     HQ,
     S_Q,
+    max_tokens,
     qk_scale,
     kv_scale_value,
     stride_qn_b,
@@ -241,6 +256,8 @@ def _decode_kernel(
     SCALE_PTR: tl.constexpr,
     HAS_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    MIXED: tl.constexpr,
 ):
     mb = tl.program_id(0)
     p = tl.program_id(1)
@@ -280,7 +297,9 @@ def _decode_kernel(
         seq_end = tl.load(ends_ptr + b)
         splits = tl.load(splits_ptr + b)
         piece_end = tl.minimum(end, seq_end)
-        length = tl.maximum(tl.load(lens_ptr + b), 0)
+        # A length past the table row (no host check inside a graph) is cut to the row: nothing past the
+        # table is read.
+        length = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens)
         tok_lo = tl.maximum(cursor - seq_start - _OVERHEAD, 0) * _UNIT
         tok_hi = tl.minimum(tl.maximum(piece_end - seq_start - _OVERHEAD, 0) * _UNIT, length)
 
@@ -302,46 +321,100 @@ def _decode_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         # Tiles every row sees whole need no mask; the rest (the causal diagonal, the tail) do.
         safe = tok_lo + tl.maximum(tl.minimum(tok_hi, vis_min) - tok_lo, 0) // BLOCK_N * BLOCK_N
-        for t in range(tok_lo, safe, BLOCK_N):
-            acc, m_i, l_i = _tile(
-                acc,
-                m_i,
-                l_i,
-                qn,
-                qp,
-                ckv_ptr,
-                kpe_ptr,
-                bt_row,
-                t,
-                tok_hi,
-                row_vis,
-                nope_scale,
-                pe_scale,
-                stride_ckv_p,
-                stride_ckv_t,
-                stride_kpe_p,
-                stride_kpe_t,
-                PAGE,
-                BLOCK_N,
-                False,
-                KV_FP8 and not KPE_FP8,
-                UPCAST,
-            )
+        if PREFETCH:
+            # The next tile's loads are issued before this tile's math (a register double buffer): the
+            # compiler's own pipelining does not cover the FP8 widening, and more bytes stay in flight. The
+            # last iteration reloads its own tile (in bounds) rather than masking.
+            if safe > tok_lo:
+                ckv_t, kpe_t = _load_tile(
+                    ckv_ptr,
+                    kpe_ptr,
+                    bt_row,
+                    tok_lo,
+                    tok_hi,
+                    stride_ckv_p,
+                    stride_ckv_t,
+                    stride_kpe_p,
+                    stride_kpe_t,
+                    PAGE,
+                    BLOCK_N,
+                    False,
+                )
+                for t in range(tok_lo, safe, BLOCK_N):
+                    ckv_n, kpe_n = _load_tile(
+                        ckv_ptr,
+                        kpe_ptr,
+                        bt_row,
+                        tl.minimum(t + BLOCK_N, safe - BLOCK_N),
+                        tok_hi,
+                        stride_ckv_p,
+                        stride_ckv_t,
+                        stride_kpe_p,
+                        stride_kpe_t,
+                        PAGE,
+                        BLOCK_N,
+                        False,
+                    )
+                    acc, m_i, l_i = _fold(
+                        acc,
+                        m_i,
+                        l_i,
+                        qn,
+                        qp,
+                        ckv_t,
+                        kpe_t,
+                        t,
+                        tok_hi,
+                        row_vis,
+                        nope_scale,
+                        pe_scale,
+                        BLOCK_N,
+                        False,
+                        MIXED,
+                        UPCAST,
+                    )
+                    ckv_t, kpe_t = ckv_n, kpe_n
+        else:
+            for t in range(tok_lo, safe, BLOCK_N):
+                ckv_t, kpe_t = _load_tile(
+                    ckv_ptr,
+                    kpe_ptr,
+                    bt_row,
+                    t,
+                    tok_hi,
+                    stride_ckv_p,
+                    stride_ckv_t,
+                    stride_kpe_p,
+                    stride_kpe_t,
+                    PAGE,
+                    BLOCK_N,
+                    False,
+                )
+                acc, m_i, l_i = _fold(
+                    acc,
+                    m_i,
+                    l_i,
+                    qn,
+                    qp,
+                    ckv_t,
+                    kpe_t,
+                    t,
+                    tok_hi,
+                    row_vis,
+                    nope_scale,
+                    pe_scale,
+                    BLOCK_N,
+                    False,
+                    MIXED,
+                    UPCAST,
+                )
         for t in range(safe, tok_hi, BLOCK_N):
-            acc, m_i, l_i = _tile(
-                acc,
-                m_i,
-                l_i,
-                qn,
-                qp,
+            ckv_t, kpe_t = _load_tile(
                 ckv_ptr,
                 kpe_ptr,
                 bt_row,
                 t,
                 tok_hi,
-                row_vis,
-                nope_scale,
-                pe_scale,
                 stride_ckv_p,
                 stride_ckv_t,
                 stride_kpe_p,
@@ -349,7 +422,23 @@ def _decode_kernel(
                 PAGE,
                 BLOCK_N,
                 True,
-                KV_FP8 and not KPE_FP8,
+            )
+            acc, m_i, l_i = _fold(
+                acc,
+                m_i,
+                l_i,
+                qn,
+                qp,
+                ckv_t,
+                kpe_t,
+                t,
+                tok_hi,
+                row_vis,
+                nope_scale,
+                pe_scale,
+                BLOCK_N,
+                True,
+                MIXED,
                 UPCAST,
             )
         seen = l_i > 0.0
@@ -469,6 +558,7 @@ def launch_decode(
         rows,
         heads,
         s_q,
+        block_table.shape[1] * ckv.shape[1],
         float(sm_scale) * LOG2E,
         1.0 if scale_is_tensor or kv_scale is None else float(kv_scale),
         *q_nope.stride()[:3],
@@ -489,6 +579,8 @@ def launch_decode(
         SCALE_PTR=scale_is_tensor,
         HAS_LSE=lse is not None,
         UPCAST=upcast,
+        PREFETCH=bool(config.get("PREFETCH", 0)),
+        MIXED=ckv.dtype == fp8 and kpe.dtype != fp8,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )

@@ -17,7 +17,7 @@ ROUTING = ROUTINGS["deepseek_v3"]
 # quantized operands summed in another order; FP8 per tensor, activations quantized per 128 channels on the wire
 # where the single-process layer takes one scale for the whole batch (a token far below the batch's amax keeps
 # only a few bits there: up to ~6% seen). A token missing one of its k = 4 experts scores ~0.25 or more.
-TOLERANCE = {None: 1e-2, "fp8_block": 1e-2, "fp8_tensor": 0.1}
+TOLERANCE = {None: 1e-2, "fp8_block": 1e-2, "fp8_tensor": 0.1, "nvfp4": 1e-2}
 PROJECTIONS = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
 
 

@@ -125,6 +125,10 @@ def make_layer(ours: bool, quant: str | None = None, num_experts: int = E, **kwa
         config = Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[BLOCK, BLOCK])
     elif quant == "fp8_tensor":
         config = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static")
+    elif quant == "nvfp4":
+        from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config
+
+        config = ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16)
     flags = get_flags().moe
     flags.runner_backend = resolve_moe_runner_backend("flashinfer_moe") if ours else MoeRunnerBackend.AUTO
     try:
@@ -141,7 +145,7 @@ def checkpoint(quant: str | None, seed: int, num_experts: int = E, h: int = H, i
     for FP8 blocks; ``weight_scale``/``input_scale`` per tensor)."""
     import torch
 
-    from flashinfer_moe import quantize_fp8_block_weights
+    from flashinfer_moe import quantize_fp8_block_weights, quantize_nvfp4
 
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -154,6 +158,10 @@ def checkpoint(quant: str | None, seed: int, num_experts: int = E, h: int = H, i
             elif quant == "fp8_block":
                 q, s = quantize_fp8_block_weights(w)
                 out[f"{key}.weight"], out[f"{key}.weight_scale_inv"] = q, s
+            elif quant == "nvfp4":  # ModelOpt: E2M1 pairs, E4M3 per 16, fp32 weight_scale_2, input_scale
+                q, s, s2 = quantize_nvfp4(w)
+                out[f"{key}.weight"], out[f"{key}.weight_scale"], out[f"{key}.weight_scale_2"] = q, s, s2
+                out[f"{key}.input_scale"] = torch.tensor(0.05)
             else:
                 s = w.abs().amax() / 448
                 out[f"{key}.weight"] = (w / s).to(torch.float8_e4m3fn)
@@ -185,6 +193,7 @@ def dequantized(ckpt: dict, quant: str | None) -> dict:
     without AMX)."""
     import torch
 
+    from flashinfer_moe import dequantize_nvfp4
     from flashinfer_moe.reference_gemm import dequantize_weights
 
     out = {}
@@ -193,6 +202,8 @@ def dequantized(ckpt: dict, quant: str | None) -> dict:
             continue
         if quant == "fp8_block":
             w = dequantize_weights(w[None], ckpt[key + "_scale_inv"][None])[0]
+        elif quant == "nvfp4":
+            w = dequantize_nvfp4(w, ckpt[key + "_scale"], ckpt[key + "_scale_2"])
         elif quant == "fp8_tensor":
             w = w.double() * ckpt[key + "_scale"].double()
         out[key] = w.to(torch.bfloat16)
@@ -281,6 +292,13 @@ def case_matches_native(quant, routing, rsf, drop_ids, seed, tokens=37) -> dict:
             same_bytes and torch.equal(ours.w13_weight_scale_inv, s13) and torch.equal(ours.w2_weight_scale_inv, s2)
         )
         scales = dict(w13_scale=s13, w2_scale=s2)
+    if quant == "nvfp4":
+        s13, s2 = stacked(ckpt, "weight_scale")
+        same_bytes = (
+            same_bytes
+            and torch.equal(ours.w13_weight_scale.view(torch.uint8), s13.view(torch.uint8))
+            and torch.equal(ours.w2_weight_scale.view(torch.uint8), s2.view(torch.uint8))
+        )
     results = {"same_bytes": same_bytes}
     # SGLang's native CPU path has no -1 ids: there a dropped slot keeps its expert with weight 0.
     native_topk = routed._replace(topk_weights=routed.topk_weights.masked_fill(topk.topk_ids < 0, 0.0))
@@ -288,14 +306,16 @@ def case_matches_native(quant, routing, rsf, drop_ids, seed, tokens=37) -> dict:
     got, want = ours(x, topk), native(x, native_topk)
     results["vs_native"] = relative_error(got, want)
     results["nan"] = bool(got.isnan().any())
-    if quant != "fp8_tensor":
+    if quant not in ("fp8_tensor", "nvfp4"):
         ids = topk.topk_ids.to(torch.int32)
         ref = reference(x, w13, w2, topk.topk_weights, ids, quant=quant, **scales)
         results["vs_reference"] = relative_error(got, ref)
     set_cuda_semantics(True)
     scaled = ours(x, topk)
     set_cuda_semantics(False)
-    results["scaled_vs_native"] = relative_error(scaled, want * (rsf or 1.0))
+    # SGLang folds routed_scaling_factor into the top-k weights for NVFP4 layers (not into the runner).
+    results["fused_in_topk"] = bool(ours.should_fuse_routed_scaling_factor_in_topk)
+    results["scaled_vs_native"] = relative_error(scaled, want * (1.0 if results["fused_in_topk"] else rsf or 1.0))
     return results
 
 

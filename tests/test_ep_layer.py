@@ -54,6 +54,28 @@ def test_ep_layer_equals_single_process_layer(world):
             assert err < tol, f"seed {seed} rank {rank}/{world} {name}: relative error {err:.3g} >= {tol}"
 
 
+def _nvfp4(rank: int, world: int, seed: int) -> list[tuple[str, float]]:
+    """NVFP4 experts (the bf16 checkpoint quantized at load, the same way on every rank and in the reference):
+    bf16 rows travel, W4A16 GEMMs on each rank."""
+    weights = checkpoint(seed)
+    ref = Reference("nvfp4", "cpu", weights)
+    results = []
+    for mode in ("high_throughput", "low_latency"):
+        layer = build(None, "nvfp4", mode, "cpu", weights, backend="nccl", timeout_s=60)
+        x = tokens(seed, rank, _token_counts(world)[rank], "cpu")
+        results.append((mode, relative_error(layer(x), ref(x))))
+        layer.close()
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ep_layer_nvfp4_equals_single_process_layer(world):
+    seed = int.from_bytes(os.urandom(3), "little")
+    for rank, cases in enumerate(run_ranks(_nvfp4, world, seed, timeout_s=600)):
+        for mode, err in cases:
+            assert err < TOLERANCE["nvfp4"], f"seed {seed} rank {rank}/{world} nvfp4 {mode}: relative error {err:.3g}"
+
+
 def _fp8_checkpoint_and_safetensors(rank: int, world: int, seed: int, folder: str) -> list[float]:
     from safetensors.torch import save_file
 

@@ -45,7 +45,7 @@ def _ranks_agree(rank: int, world: int, seed: int, backend: str, share: bool) ->
     results = []
     for fp8 in (False, True):
         weights = checkpoint(seed + fp8, fp8=fp8)
-        for quant in (None, "fp8_block") if not fp8 else ("fp8_block",):
+        for quant in (None, "fp8_block", "nvfp4") if not fp8 else ("fp8_block",):
             ref = Reference(quant, device, weights)
             ref(tokens(seed, rank, 4, device))  # compiles this rank's kernels before any peer waits on it
             torch.cuda.synchronize()

@@ -87,7 +87,9 @@ def test_masked(rng, act, capacity):
 
 
 @pytest.mark.parametrize("swap", [True, False])
-@pytest.mark.parametrize("name", ["decode", "decode_gated", "mid", "mid_gated", "prefill", "prefill_gated"])
+@pytest.mark.parametrize(
+    "name", ["decode", "decode_gated", "mid64", "mid64_gated", "mid", "mid_gated", "prefill", "prefill_gated"]
+)
 def test_every_config(rng, name, swap):
     """Each tile config of the table, in both operand orders, on a shape that is partial in every dimension."""
     from flashinfer_moe.moe import gemm_nvfp4_kernel as kernel
@@ -122,9 +124,10 @@ def test_every_config(rng, name, swap):
     assert not out.isnan().any()
 
 
+@pytest.mark.parametrize("expand", [0, 2])  # the portable expansion and the prmt lookup
 @pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize("name", ["decode", "mid", "prefill"])
-def test_every_code_expands_exactly(name, swap):
+def test_every_code_expands_exactly(name, swap, expand):
     """a = I: the output is the expanded weights themselves, every E2M1 code under every finite E4M3 scale
     (subnormals included), bit for bit the reference's dequantization (nothing flushed to zero)."""
     from flashinfer_moe import reference_quant as rq
@@ -139,7 +142,7 @@ def test_every_code_expands_exactly(name, swap):
     eye = torch.eye(k, dtype=torch.bfloat16, device=DEV)
     out = torch.full((k, n), float("nan"), device=DEV)
     counts, offsets = torch.tensor([k], dtype=torch.int32), torch.tensor([0, k], dtype=torch.int32)
-    cfg = dict(kernel.CONFIGS[name], SWAP_AB=swap)
+    cfg = dict(kernel.CONFIGS[name], SWAP_AB=swap, EXPAND=expand)
     kernel.launch(
         eye,
         w.to(DEV),
@@ -189,25 +192,33 @@ def test_fused_moe_model_shapes(rng, model, num_experts, top_k, hidden, inter, n
 
 
 def test_the_compiled_kernel_uses_wgmma():
-    """On Hopper the decode and prefill kernels issue wgmma (HGMMA in the SASS), with the weights expanded in
-    registers."""
+    """On Hopper the kernels that the decode and prefill paths pick issue wgmma (HGMMA in the SASS), with the
+    weights expanded in registers. Only the kernels compiled here are checked: other tests compile the
+    non-swapped 16-row tile, which is mma.sync by design (wgmma's M is at least 64)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma is Hopper's")
     if shutil.which("cuobjdump") is None:
         pytest.skip("cuobjdump is not on PATH")
     from flashinfer_moe.moe import gemm_nvfp4_kernel as kernel
 
+    kernel.grouped_gemm_nvfp4_kernel.device_caches.clear()  # compile afresh: only this test's kernels
     g = torch.Generator().manual_seed(0)
-    for capacity in (16, 512):
-        a = torch.randn(4, capacity, 1024, generator=g).bfloat16().to(DEV)
-        w, s, gs = random_nvfp4(4, 512, 1024, g)
+    # 16 rows per expert: the decode class; 512: prefill.
+    picked = set()
+    for capacity, k in ((16, 1056), (512, 1056)):
+        cfg = kernel.pick(4 * capacity, 4, capacity, False, k)
+        assert cfg.get("SWAP_AB", True) or cfg["BLOCK_M"] >= 64, cfg
+        picked.add(kernel.shape_class(4 * capacity, 4, capacity, False))
+        a = torch.randn(4, capacity, k, generator=g).bfloat16().to(DEV)
+        w, s, gs = random_nvfp4(4, 520, k, g)
         fm.grouped_gemm_nvfp4_masked(a, w, s, gs, torch.full((4,), capacity, dtype=torch.int32, device=DEV))
     torch.cuda.synchronize()
-    compiled = [c for cache in kernel.grouped_gemm_nvfp4_kernel.device_caches.values() for c in cache[0].values()]
-    assert compiled
-    for c in compiled:
+    assert picked == {"decode", "prefill"}
+    new = [c for cache in kernel.grouped_gemm_nvfp4_kernel.device_caches.values() for c in cache[0].values()]
+    assert len(new) == 2, [c.metadata.name for c in new]
+    for c in new:
         path = f"/tmp/nvfp4_kernel_{id(c)}.cubin"
         with open(path, "wb") as f:
             f.write(c.asm["cubin"])
         sass = subprocess.run(["cuobjdump", "-sass", path], capture_output=True, text=True, check=True).stdout
-        assert "HGMMA" in sass, f"no wgmma in {c.metadata.name}"
+        assert "HGMMA" in sass, f"no wgmma in {c.metadata.name} ({c.metadata.num_warps} warps)"

@@ -240,6 +240,15 @@ def test_decode_kernel_interpreted(rng, interpreted, name):
     assert_close(out, lse, *reference(case, sm_scale, causal), q_dtype, f"{name} seed {seed}")
 
 
+@pytest.mark.parametrize("name", ["fp8-page64", "page16-sq2", "page1"])
+def test_decode_kernel_prefetch_interpreted(rng, interpreted, monkeypatch, name):
+    """The register double-buffered tile loop (``PREFETCH``), on the cases whose unmasked stretches are 0, 1
+    and many tiles long."""
+    for key, config in D.CONFIGS.items():
+        monkeypatch.setitem(D.CONFIGS, key, dict(config, PREFETCH=1))
+    test_decode_kernel_interpreted(rng, None, name)
+
+
 def test_graph_style_replan_in_place(rng, interpreted):
     """One plan refilled in place (``out=plan``) serves new lengths of the same batch, as a replayed graph does."""
     seed, g = rng
@@ -261,6 +270,48 @@ def test_graph_style_replan_in_place(rng, interpreted):
         )
         assert_close(out, lse, *reference(case, 0.2), torch.float16, f"lens {lens} seed {seed}")
     assert (plan.sched.data_ptr(), plan.part_out.data_ptr()) == buffers
+
+
+# The GPU tier's graph test (test_mla_decode_gpu.py): table capacity per sequence (page 64) and the lengths the
+# captured plan + decode replay with. Every replay length must fit its row: past it the table holds poisoned
+# page ids, which the kernel would follow to an illegal address.
+GRAPH_CAPACITY = [16384, 16384, 4097, 65, 64, 3000, 2000, 9000]
+GRAPH_REPLAYS = (
+    GRAPH_CAPACITY,
+    [1] * 8,
+    [5, 16384, 0, 65, 64, 3000, 1, 9000],
+    [16000, 2, 4097, 63, 1, 64, 2000, 8999],
+)
+
+
+@pytest.mark.parametrize("lens", GRAPH_REPLAYS, ids=range(len(GRAPH_REPLAYS)))
+def test_gpu_graph_replay_lengths_fit_the_table(lens):
+    """The CPU path's own check (``seq_lens must fit the block table``) on one row at a time: a tiny cache of
+    each capacity, the replay length against it."""
+    for n, cap in zip(lens, GRAPH_CAPACITY, strict=True):
+        pages = cdiv(cap, 64)
+        table = torch.zeros(1, pages, dtype=torch.int32)
+        D._table(table, torch.tensor([n], dtype=torch.int32), torch.zeros(1, 1, 1, 512), 64, validate=True)
+
+
+def test_kernel_stops_at_the_end_of_the_table_row(rng, interpreted):
+    """Lengths past a sequence's table row (no host check inside a graph): the kernel reads only the row's
+    pages, as if the length were the row's capacity, and never the next row or past the table."""
+    seed, g = rng
+    case = make_case(g, [40, 48, 30], 1, 2, 16, torch.float16, torch.float16, share=False)
+    table = case["block_table"][:, :3].contiguous()  # 48 tokens per row, no poisoned padding column
+    kv = case["kv_cache"]
+    q = case["q_nope"]
+    plan = D.mla_decode_plan(case["seq_lens"], 1, 2, num_sms=2)
+    too_long = torch.tensor([40, 70, 30], dtype=torch.int32)
+    D.mla_decode_plan(too_long, 1, 2, out=plan)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    lse = torch.full(q.shape[:3], float("nan"))
+    args = (q, case["q_pe"], kv, kv[..., 512:], table, too_long, plan.sched, plan.part_out, plan.part_lse, out, lse)
+    D._decode_cuda(*args, 0.2, None, 1.0, True, plan.num_programs, plan.block_m, 16, 4, 1, 0)
+    clamped = dict(case, block_table=table, seq_lens=torch.tensor([40, 48, 30], dtype=torch.int32))
+    want_out, want_lse = reference(clamped, 0.2)
+    assert_close(out, lse, want_out, want_lse, torch.float16, f"seed {seed}")
 
 
 # ----------------------------------------------------------------------------------------------- CPU path
@@ -301,7 +352,9 @@ def test_opcheck_cpu(generator):
     case = make_case(generator, [3, 20], 2, 2, 16, torch.bfloat16, torch.bfloat16, share=False)
     case["block_table"] = case["block_table"].clamp(max=case["kv_cache"].shape[0] - 1)
     plan = D.mla_decode_plan(case["seq_lens"], 2, 2)
-    torch.library.opcheck(torch.ops.flashinfer_moe.mla_decode_plan_.default, (case["seq_lens"], plan.sched, 8))
+    torch.library.opcheck(
+        torch.ops.flashinfer_moe.mla_decode_plan_.default, (case["seq_lens"], plan.sched, plan.num_programs)
+    )
     kv = case["kv_cache"].nan_to_num()
     args = (
         case["q_nope"],
@@ -324,6 +377,7 @@ def test_opcheck_cpu(generator):
         64,
         4,
         2,
+        0,
     )
     torch.library.opcheck(torch.ops.flashinfer_moe.mla_decode_.default, args)
 

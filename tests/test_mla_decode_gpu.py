@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_mla_decode import FP8, assert_close, make_case, reference, run_decode
+from test_mla_decode import FP8, GRAPH_CAPACITY, GRAPH_REPLAYS, assert_close, make_case, reference, run_decode
 
 from flashinfer_moe import reference_mla as ref
 from flashinfer_moe.mla import decode as D
@@ -61,7 +61,7 @@ def test_fp16_split_counts_and_masks(rng, causal, num_sms):
 
 def test_cuda_graph_replays_plan_and_decode_with_new_lengths(rng):
     seed, g = rng
-    longest = [16384, 16384, 4097, 65, 64, 3000, 2000, 9000]  # the block table's capacity per sequence
+    longest = GRAPH_CAPACITY  # the block table's capacity per sequence
     case = make_case(g, longest, 2, 16, 64, torch.bfloat16, FP8, device=DEV)
     seq_lens = case["seq_lens"]
     scale = torch.tensor([case["kv_scale"]], device=DEV)
@@ -93,7 +93,9 @@ def test_cuda_graph_replays_plan_and_decode_with_new_lengths(rng):
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         step()
     torch.cuda.current_stream().wait_stream(stream)
-    for lens in (longest, [1] * 8, [5, 16384, 0, 64, 65, 3000, 1, 9000], [16000, 2, 4097, 63, 1, 64, 2000, 8999]):
+    for lens in GRAPH_REPLAYS:
+        # A length past its table row would send the kernel to a poisoned page id (an illegal address).
+        assert all(n <= c for n, c in zip(lens, longest, strict=True)), f"replay lengths {lens} exceed {longest}"
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
