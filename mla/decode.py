@@ -32,7 +32,7 @@ Q_DTYPES = (torch.bfloat16, torch.float16)
 PAGE_SIZES = (1, 16, 32, 64, 128)
 MAX_S_Q = 8
 D_LATENT, D_ROPE = ref.LATENT, ref.ROPE
-UNIT, OVERHEAD = 64, 2  # the schedule's cost model (mla/decode_kernel.py)
+UNIT, OVERHEAD = 64, 2  # the schedule's cost model (mla/plan_kernel.py)
 CPU_NUM_SMS = 8  # the schedule's program count where there are no SMs (the CPU path ignores it)
 
 # Kernel configuration per row block (``BLOCK_M`` (new token, head) rows per program): tokens per tile, warps,
@@ -76,10 +76,10 @@ def _plan_cpu(seq_lens, sched, num_programs):
 
 
 def _plan_cuda(seq_lens, sched, num_programs):
-    from . import decode_kernel
+    from . import plan_kernel
 
     with _on(seq_lens):
-        decode_kernel.launch_plan(seq_lens, sched, num_programs)
+        plan_kernel.launch_plan(seq_lens, sched, num_programs)
 
 
 def _decode_cpu(
@@ -193,7 +193,7 @@ class MLADecodePlan:
         batch, s_q, num_heads: the shapes the plan serves.
         num_programs: attention programs per row block; also the most pieces one sequence is split into.
         block_m: (new token, head) rows per program.
-        sched: `[2 + 4 B + num_programs]` int32 schedule (layout in ``mla/decode_kernel.py``).
+        sched: `[2 + 4 B + num_programs]` int32 schedule (layout in ``mla/plan_kernel.py``).
         part_out: `[S, s_q * Hq, 512]` fp32 partial outputs of split sequences (``S`` slots).
         part_lse: `[S, s_q * Hq]` fp32 their log2-sum-exp2.
     """
