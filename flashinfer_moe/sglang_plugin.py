@@ -164,13 +164,23 @@ def _create_moe_runner(original, method, layer, moe_runner_config):
     return None
 
 
+def _sglang_own(original, method, *args, **kwargs):
+    """SGLang's own method for a layer we did not take over (as under ``auto`` when our flag is given)."""
+    if not backend_selected():
+        return original(method, *args, **kwargs)
+    with _sglang_choice():
+        return original(method, *args, **kwargs)
+
+
+def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict:
+    """The hooked method's arguments by name, whether SGLang passed them by position or by keyword."""
+    return dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+
+
 def _process_weights_after_loading(original, method, layer):
     takeover = getattr(method, "_flashinfer_moe_takeover", None)
     if takeover is None:
-        if backend_selected():
-            with _sglang_choice():
-                return original(method, layer)
-        return original(method, layer)
+        return _sglang_own(original, method, layer)
     if takeover.quant == "fp8_tensor":
         from .sglang_runner import fp8_tensor_after_loading_
 
@@ -187,14 +197,10 @@ def _process_weights_after_loading(original, method, layer):
 def _apply(original, method, *args, **kwargs):
     takeover = getattr(method, "_flashinfer_moe_takeover", None)
     if takeover is None:
-        if backend_selected():
-            with _sglang_choice():
-                return original(method, *args, **kwargs)
-        return original(method, *args, **kwargs)
+        return _sglang_own(original, method, *args, **kwargs)
     from .sglang_runner import quant_info_for
 
-    names = ("layer", "dispatch_output")
-    bound = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+    bound = _bind(("layer", "dispatch_output"), args, kwargs)
     layer, dispatch_output = bound["layer"], bound["dispatch_output"]
     return method.runner.run(dispatch_output, quant_info_for(layer, takeover))
 
@@ -225,8 +231,7 @@ def _expected_shard_shape(layer, param, shard_id: str) -> tuple[str, tuple[int, 
 def _weight_loader(original, layer, *args, **kwargs):
     method = getattr(layer, "quant_method", None)
     if getattr(method, "_flashinfer_moe_takeover", None) is not None:
-        names = ("param", "loaded_weight", "weight_name", "shard_id", "expert_id")
-        bound = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+        bound = _bind(("param", "loaded_weight", "weight_name", "shard_id", "expert_id"), args, kwargs)
         param, loaded = bound.get("param"), bound.get("loaded_weight")
         # expert_id None: a fused checkpoint tensor holding every expert, which SGLang splits itself.
         expected = (
