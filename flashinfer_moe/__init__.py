@@ -39,6 +39,7 @@ from .moe.gemm import (
 from .moe.gemm_nvfp4 import grouped_gemm_nvfp4_contiguous, grouped_gemm_nvfp4_masked
 from .moe.layout import moe_align_contiguous, moe_align_masked
 from .moe.packed import PackedFp8BlockWeights, pack_fp8_block_weights
+from .moe.packed_nvfp4 import PackedNvfp4Weights, pack_nvfp4_weights
 from .moe.permute import combine, permute, permute_fp8_per_tensor, permute_fp8_per_token_group, permute_nvfp4
 from .moe.quant import (
     dequantize_nvfp4,
@@ -61,6 +62,7 @@ __all__ = [
     "MLADecodePlan",
     "MoELayer",
     "PackedFp8BlockWeights",
+    "PackedNvfp4Weights",
     "combine",
     "dequantize_nvfp4",
     "fused_moe",
@@ -80,6 +82,7 @@ __all__ = [
     "moe_align_contiguous",
     "moe_align_masked",
     "pack_fp8_block_weights",
+    "pack_nvfp4_weights",
     "permute",
     "permute_fp8_per_tensor",
     "permute_fp8_per_token_group",

@@ -32,7 +32,6 @@ from .layer import BLOCK, QUANTS, MoELayer, _capturing, finite
 from .moe import gemm, gemm_nvfp4
 from .moe.fused import fused_moe
 from .moe.layout import moe_align_contiguous
-from .moe.packed import PackedFp8BlockWeights
 from .moe.permute import combine, permute, permute_fp8_per_token_group
 from .moe.quant import FLOATS, FP8, quantize_fp8_per_token_group
 from .moe.routing import route
@@ -381,9 +380,7 @@ class EPMoELayer(nn.Module):
         """GEMM1 + activation and GEMM2 of the local experts over ``layout``; `[*rows_shape, H]` bf16/fp16."""
         ex = self.experts
         act = dict(activation=ex.activation, alpha=ex.alpha, limit=ex.limit)
-        w13, w2 = ex.w13, ex.w2
-        if ex.weights_packed:
-            w13, w2 = PackedFp8BlockWeights(w13, gated=True), PackedFp8BlockWeights(w2, gated=False)
+        w13, w2 = ex.expert_weights()
         where = layout.tokens_per_expert if masked else layout
         if self.quant is None:
             run = gemm.grouped_gemm_bf16_masked if masked else gemm.grouped_gemm_bf16_contiguous
@@ -529,7 +526,7 @@ class EPMoELayer(nn.Module):
             self.load_expert_weights(weights, prefix)
 
     def pack_weights(self) -> None:
-        """Packs the local experts' FP8 block weights for the Hopper decode kernel
+        """Packs the local experts' FP8 block weights for the Hopper decode kernel, or K-permutes NVFP4 ones
         (:meth:`MoELayer.pack_weights`)."""
         self.experts.pack_weights()
         self._drop_graphs()

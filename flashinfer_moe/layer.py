@@ -17,6 +17,7 @@ from . import _checks, layer_nvfp4
 from .graphs import ShapeGraphs
 from .moe.fused import fused_moe
 from .moe.packed import ROWS, PackedFp8BlockWeights, pack_fp8_block_weights, repack_in_place
+from .moe.packed_nvfp4 import PackedNvfp4Weights
 from .moe.quant import FLOATS, FP8, quantize_fp8_block_weights, quantize_fp8_per_tensor
 from .moe.routing import route
 from .reference_quant import dequantize_fp8_block
@@ -53,7 +54,8 @@ class MoELayer(nn.Module):
     parameters with ``requires_grad=False`` (zero until loaded with :meth:`load_expert_weights`,
     :meth:`load_router_weight` or ``load_state_dict``). Move the layer with ``.to(device)`` only: a dtype cast
     such as ``.half()`` would also cast the FP8 weights and the scales. With ``"fp8_block"``,
-    :meth:`pack_weights` re-lays ``w13`` and ``w2`` for the Hopper kernel's weight stream after loading.
+    :meth:`pack_weights` re-lays ``w13`` and ``w2`` for the Hopper kernel's weight stream after loading; with
+    ``"nvfp4"`` it K-permutes them for the Hopper kernel's expansion.
 
     Args:
         num_experts: ``E``.
@@ -250,9 +252,7 @@ class MoELayer(nn.Module):
             topk_group=self.topk_group,
             correction_bias=self.correction_bias,
         )  # [T, k] fp32, [T, k] int32
-        w13, w2 = self.w13, self.w2
-        if self.weights_packed:
-            w13, w2 = PackedFp8BlockWeights(w13, gated=True), PackedFp8BlockWeights(w2, gated=False)
+        w13, w2 = self.expert_weights()
         return fused_moe(
             x,
             w13,
@@ -273,6 +273,15 @@ class MoELayer(nn.Module):
             # Route's ids are in [0, E) by construction: skip fused_moe's id check and its host sync.
             validate=False,
         )
+
+    def expert_weights(self) -> tuple:
+        """``(w13, w2)`` as the GEMMs take them: the parameters, or wrapped as packed weights after
+        :meth:`pack_weights`."""
+        if not self.weights_packed:
+            return self.w13, self.w2
+        if self.quant == "nvfp4":
+            return tuple(PackedNvfp4Weights(w) for w in layer_nvfp4.packed_views(self))
+        return PackedFp8BlockWeights(self.w13, gated=True), PackedFp8BlockWeights(self.w2, gated=False)
 
     def drop_graphs(self) -> None:
         """Forgets the CUDA graphs of eager calls (they hold the weights' addresses and their own buffers)."""
@@ -298,13 +307,20 @@ class MoELayer(nn.Module):
         holds the packed layout, which loads only into a layer that is packed too. :meth:`unpack_weights`
         reverses it.
 
+        With ``"nvfp4"`` it K-permutes ``w13`` and ``w2`` in place as :func:`flashinfer_moe.pack_nvfp4_weights`
+        does (``H`` and ``I`` multiples of 64; the parameters then have shape `[E, N, K / 64, 32]`): the W4A16
+        kernel then moves each thread's weight bytes out of shared memory in one instruction instead of eight
+        (docs/perf.md, NVFP4).
+
         Raises:
             ValueError: the layer's quant is not ``"fp8_block"``, or ``hidden_size`` (the rows of ``w2``) is not
                 a multiple of 256.
         """
-        if self.quant != "fp8_block":
-            raise ValueError(f"quant must be 'fp8_block' for pack_weights, got quant={self.quant!r}")
-        if self.hidden_size % ROWS:
+        if self.quant == "nvfp4":
+            layer_nvfp4.check_packable(self.hidden_size, self.intermediate_size)
+        elif self.quant != "fp8_block":
+            raise ValueError(f"quant must be 'fp8_block' or 'nvfp4' for pack_weights, got quant={self.quant!r}")
+        elif self.hidden_size % ROWS:
             raise ValueError(f"hidden_size must be a multiple of {ROWS} to pack w2 (its rows), got {self.hidden_size}")
         if not self.weights_packed:
             self._repack(pack=True)
@@ -317,6 +333,11 @@ class MoELayer(nn.Module):
             self._repack(pack=False)
 
     def _repack(self, pack: bool) -> None:
+        if self.quant == "nvfp4":
+            layer_nvfp4.repack(self, pack)
+            self.weights_packed = pack
+            self.drop_graphs()
+            return
         done = []
         try:
             for name, gated in (("w13", True), ("w2", False)):

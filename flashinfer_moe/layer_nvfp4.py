@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from . import _checks
+from .moe.packed_nvfp4 import K_MULTIPLE as PACK_K_MULTIPLE
+from .moe.packed_nvfp4 import _permute, repack_nvfp4_in_place
 from .moe.quant import FLOATS, FP8, quantize_nvfp4
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -93,10 +95,14 @@ def load(layer, weights: Mapping[str, torch.Tensor], prefix: str, names: list) -
     device = layer.w13.device
     for e, parts in enumerate(loaded):
         (wg, sg, gg, ig), (wu, su, gu, iu), (wd, sd, gd, idn) = (parts[p] for p in _PROJECTIONS)
+        w13, wd = torch.cat((wg.to(device), wu.to(device))), wd.to(device)
+        if layer.weights_packed:  # K-permuted (and shaped in spans) as the rest of the layer's weights
+            w13 = _permute(w13, pack=True).view(layer.w13.shape[1:])
+            wd = _permute(wd, pack=True).view(layer.w2.shape[1:])
+        layer.w13[e] = w13
         # Concatenated as bytes: not every torch build concatenates float8.
-        layer.w13[e] = torch.cat((wg.to(device), wu.to(device)))
         layer.w13_scale[e] = torch.cat((sg.view(torch.uint8).to(device), su.view(torch.uint8).to(device))).view(FP8)
-        layer.w2[e], layer.w2_scale[e] = wd.to(device), sd.to(device)
+        layer.w2[e], layer.w2_scale[e] = wd, sd.to(device)
         layer.w13_global_scale[e] = torch.stack((gg, gu)).to(device)
         layer.w2_global_scale[e] = gd.to(device)
         if ig is not None and iu is not None:
@@ -111,3 +117,39 @@ def check_sizes(hidden: int, inter: int) -> None:
             f"hidden_size and intermediate_size must be multiples of {K_MULTIPLE} with quant='nvfp4', "
             f"got {hidden} and {inter}"
         )
+
+
+def check_packable(hidden: int, inter: int) -> None:
+    if hidden % PACK_K_MULTIPLE or inter % PACK_K_MULTIPLE:
+        raise ValueError(
+            f"hidden_size and intermediate_size must be multiples of {PACK_K_MULTIPLE} to K-permute NVFP4 weights, "
+            f"got {hidden} and {inter}"
+        )
+
+
+def _plain(w: torch.Tensor) -> torch.Tensor:
+    """`[E, N, K / 2]` view of weights in either shape."""
+    return w.view(*w.shape[:2], -1)
+
+
+def packed_views(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed layer's ``w13`` and ``w2`` as `[E, N, K / 2]` views (its parameters are shaped in spans)."""
+    return _plain(layer.w13), _plain(layer.w2)
+
+
+@torch.no_grad()
+def repack(layer: nn.Module, pack: bool) -> None:
+    """K-permutes (``pack``) or restores the layer's ``w13`` and ``w2`` in place; if ``w2`` fails, ``w13`` is
+    put back, so the layer is never half converted. Packed, the parameters are viewed `[E, N, K / 64, 32]`
+    (one row of 32 bytes per permuted span): a packed ``state_dict`` then loads only into a packed layer, and
+    a plain one only into a plain layer, instead of either being read in the other byte order."""
+    w13, w2 = _plain(layer.w13.data), _plain(layer.w2.data)
+    repack_nvfp4_in_place(w13, pack=pack)
+    try:
+        repack_nvfp4_in_place(w2, pack=pack)
+    except BaseException:
+        repack_nvfp4_in_place(w13, pack=not pack)
+        raise
+    for name, w in (("w13", w13), ("w2", w2)):
+        shaped = w.view(*w.shape[:2], -1, PACK_K_MULTIPLE // 2) if pack else w
+        setattr(layer, name, nn.Parameter(shaped, requires_grad=False))

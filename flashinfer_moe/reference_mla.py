@@ -58,6 +58,62 @@ def append_kv(
         kpe_cache[page, offset] = _to_cache(kpe[keep], kpe_cache.dtype, kv_scale)
 
 
+def rotate_rope(
+    kpe: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool = True
+) -> torch.Tensor:
+    """Rope rows rotated by their positions, in float64, then rounded to float32.
+
+    Pair ``(a, b)`` at frequency ``i`` becomes ``(a cos - b sin, b cos + a sin)`` with ``cos, sin`` =
+    ``cos_sin_cache[pos, i], cos_sin_cache[pos, 32 + i]``; products of float32 (or narrower) values are exact in
+    float64, so each result is the float64 rounding of the exact rotation, then float32's.
+
+    Args:
+        kpe: `[N, 64]` unrotated rope rows.
+        positions: `[N]` int, each in ``[0, max_pos)``.
+        cos_sin_cache: `[max_pos, 64]`, 32 cosines then 32 sines per position.
+        interleaved: pairs ``(x[2i], x[2i + 1])`` (GPT-J style, DeepSeek-V3's); else ``(x[i], x[i + 32])``.
+
+    Returns:
+        `[N, 64]` float32.
+    """
+    half = ROPE // 2
+    table = cos_sin_cache[positions.long()].double()
+    cos, sin = table[:, :half], table[:, half:]
+    x = kpe.double()
+    a, b = (x[:, 0::2], x[:, 1::2]) if interleaved else (x[:, :half], x[:, half:])
+    ra, rb = a * cos - b * sin, b * cos + a * sin
+    out = torch.stack((ra, rb), -1).flatten(1) if interleaved else torch.cat((ra, rb), 1)
+    return out.float()
+
+
+def append_kv_rope(
+    ckv: torch.Tensor,
+    kpe: torch.Tensor,
+    slots: torch.Tensor,
+    kv_cache: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    interleaved: bool = True,
+    kpe_cache: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """``append_kv`` of the rope rows rotated by ``rotate_rope`` (float32 rows, so one rounding to the cache's
+    type); a token whose position is outside ``[0, cos_sin_cache.shape[0])`` is skipped like a bad slot.
+
+    Args:
+        ckv, kpe, slots, kv_cache, kpe_cache, kv_scale: as ``append_kv``, ``kpe`` unrotated.
+        positions: `[N]` int.
+        cos_sin_cache: `[max_pos, 64]`.
+        interleaved: the pairing, as ``rotate_rope``.
+    """
+    positions = positions.long()
+    valid = (positions >= 0) & (positions < cos_sin_cache.shape[0])
+    slots = torch.where(valid, slots.long(), -1)
+    rotated = torch.zeros(kpe.shape, dtype=torch.float32, device=kpe.device)
+    rotated[valid] = rotate_rope(kpe[valid], positions[valid], cos_sin_cache, interleaved)
+    append_kv(ckv, rotated, slots, kv_cache, kpe_cache, kv_scale)
+
+
 # ------------------------------------------------------------------------------------------------- prefill
 
 

@@ -191,6 +191,10 @@ def _process_weights_after_loading(original, method, layer):
         from .sglang_runner import split_interleaved_w13_
 
         split_interleaved_w13_(layer.w13_weight.data)
+    if takeover.quant == "nvfp4":
+        from .sglang_runner import k_permute_nvfp4_
+
+        k_permute_nvfp4_(layer)
     return None
 
 
@@ -231,6 +235,11 @@ def _expected_shard_shape(layer, param, shard_id: str) -> tuple[str, tuple[int, 
 def _weight_loader(original, layer, *args, **kwargs):
     method = getattr(layer, "quant_method", None)
     if getattr(method, "_flashinfer_moe_takeover", None) is not None:
+        from .sglang_runner import k_permute_nvfp4_
+
+        # A reload writes checkpoint bytes: the layer goes back to plain order first, and the post-load step
+        # (where SGLang runs it again) permutes the whole layer anew; until then the runner reads it plain.
+        k_permute_nvfp4_(layer, pack=False)
         bound = _bind(("param", "loaded_weight", "weight_name", "shard_id", "expert_id"), args, kwargs)
         param, loaded = bound.get("param"), bound.get("loaded_weight")
         # expert_id None: a fused checkpoint tensor holding every expert, which SGLang splits itself.

@@ -20,6 +20,7 @@ from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 from sglang.srt.utils import is_cuda
 
 from flashinfer_moe.moe.fused import fused_moe
+from flashinfer_moe.moe.packed_nvfp4 import PackedNvfp4Weights, repack_nvfp4_in_place
 
 BACKEND = "flashinfer_moe"
 SCALE_BLOCK = 128  # the only FP8 weight block (DeepSeek-V3's 128 x 128) our kernels take
@@ -146,6 +147,26 @@ def split_interleaved_w13_(w13: torch.Tensor) -> None:
         w.copy_(torch.cat((w[0::2], w[1::2])))
 
 
+# Set on a layer whose NVFP4 weights are K-permuted in place (its quant method's Takeover is shared, frozen).
+K_PERMUTED = "_flashinfer_moe_k_permuted"
+
+
+def k_permute_nvfp4_(layer: torch.nn.Module, pack: bool = True) -> None:
+    """K-permutes (``pack``) an NVFP4 layer's loaded ``w13_weight`` and ``w2_weight`` in place for the Hopper
+    kernel (measured faster at every size but 64 rows per expert, docs/perf.md), or restores the checkpoint's
+    byte order; a no-op where the layer is already so, or where H or I is not a multiple of 64 (left plain)."""
+    w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+    if getattr(layer, K_PERMUTED, False) == pack or w13.shape[2] % 32 or w2.shape[2] % 32:
+        return
+    repack_nvfp4_in_place(w13, pack=pack)
+    try:
+        repack_nvfp4_in_place(w2, pack=pack)
+    except BaseException:
+        repack_nvfp4_in_place(w13, pack=not pack)
+        raise
+    setattr(layer, K_PERMUTED, pack)
+
+
 def fp8_tensor_after_loading_(method: Fp8MoEMethod, layer: torch.nn.Module) -> None:
     """SGLang's post-load step for per-tensor FP8 experts, in torch (SGLang's runs a CUDA kernel): a bf16
     checkpoint is quantized with one scale per expert; an FP8 one gets one w13 scale per expert (the larger
@@ -182,9 +203,12 @@ def fp8_tensor_after_loading_(method: Fp8MoEMethod, layer: torch.nn.Module) -> N
 
 def quant_info_for(layer: torch.nn.Module, takeover: Takeover) -> FlashInferMoEQuantInfo:
     """The layer's parameters as :func:`fused_moe` takes them (views, no copies)."""
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    if getattr(layer, K_PERMUTED, False):
+        w13, w2 = PackedNvfp4Weights(w13), PackedNvfp4Weights(w2)
     info = FlashInferMoEQuantInfo(
-        w13=layer.w13_weight,
-        w2=layer.w2_weight,
+        w13=w13,
+        w2=w2,
         quant=takeover.quant,
         activation=takeover.activation,
         alpha=takeover.alpha,

@@ -1,7 +1,8 @@
 """Benchmark of the paged MLA decode (``mla_decode_plan`` + ``mla_decode``) against FlashMLA, torch SDPA and the
 HBM copy ceiling, all in the same run.
 
-    python launch/bench_mla.py [--quick] [--pages 64,1] [--caches bf16,fp8] [--markdown FILE] [--json FILE]
+    python launch/bench_mla.py [--quick] [--pages 64,1] [--caches bf16,fp8] [--sk 4096,varlen] [--heads 16,128]
+        [--s-q 1,2] [--no-flashmla] [--no-sdpa] [--markdown FILE] [--json FILE]
     python launch/bench_mla.py --sweep [--classes 16x1,128x2] [--json FILE]
 
 Grid (FlashMLA's): batch 128, s_k 4096 / 8192 / 16384 and a varlen batch (lengths uniform in [1, 16384], fixed
@@ -11,9 +12,14 @@ sequences hold / time), TFLOP/s (``2 s_q h_q (576 + 512)`` per cached token).
 
 Baselines, per row where they apply: ``flashmla`` (``flash_mla.get_mla_metadata`` + ``flash_mla_with_kvcache``,
 bf16 page 64 only, metadata computed in every call as ours is), ``sdpa`` (``F.scaled_dot_product_attention``
-over the cache gathered into contiguous `[B, L, 576]` beforehand, not causal, only where the head-expanded
-keys stay under 8 GB), ``copy`` (a device-to-device copy of the same number of bytes: its time and the
-bytes read / that time).
+over the cache gathered into contiguous `[B, L, 576]` beforehand, bf16 page 64 only: the query heads folded
+into the query length, q `[B, 1, s_q h_q, 576]` against the one latent KV head `[B, 1, L, 576]` with v the
+view of its first 512 channels, so nothing is expanded across heads; for s_q 2 an additive mask built once
+gives query token i the keys up to L - s_q + i; every backend that takes these inputs is timed and the fastest
+reported, with the one torch's own dispatch would pick; the math backend only where no fused one runs and
+its score-sized tensors fit the 20 GB budget; each row's output checked against ours, and every backend
+against the float64 reference on a small case at the start), ``copy`` (a device-to-device copy of the same
+number of bytes: its time and the bytes read / that time).
 
 Everything is timed as medians of CUDA-graph replays (plan + decode in one graph; FlashMLA's metadata and
 combine kernels included). ``--sweep`` times kernel configurations (tokens per tile, warps, stages,
@@ -26,6 +32,7 @@ import argparse
 import itertools
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,6 +43,9 @@ from timing import require_gpus, time_graph  # noqa: E402
 if __name__ == "__main__":
     require_gpus(1)
 
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from flashinfer_moe import reference_mla as ref_mla  # noqa: E402
 from flashinfer_moe.mla import decode as D  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -165,20 +175,142 @@ def time_flashmla(fm, cache: Cache, q_nope, q_pe) -> float | None:
         return None
 
 
-def time_sdpa(k: torch.Tensor | None, q_nope, q_pe) -> float | None:
-    if k is None or k.numel() * q_nope.shape[2] * 2 > 8e9:
-        return None
-    q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, Hq, s_q, 576]
-    kk, vv = k[:, None], k[:, None, :, :512]
+SDPA_BUDGET = 20e9  # bytes the SDPA baseline may hold: the gathered cache, a v copy, the math backend's work
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 
-    def fn(i):
-        return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, scale=SM_SCALE, enable_gqa=True)
 
+def sdpa_inputs(k: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor):
+    """SDPA's view of the decode with one KV head: the query heads folded into the query length, so nothing
+    is expanded across heads. Returns ``(q [B, 1, s_q h_q, 576], k [B, 1, s_k, 576], v [B, 1, s_k, 512] (a
+    view of k), mask)``; ``mask`` is None for s_q 1, else an additive `[1, 1, s_q h_q, s_k]` mask in q's dtype
+    where query row ``r`` (new token ``r // h_q``) sees keys up to ``s_k - s_q + r // h_q`` (built once:
+    SDPA would turn a boolean mask into this on every call)."""
+    b, s_q, heads = q_nope.shape[:3]
+    s_k = k.shape[1]
+    q = torch.cat([q_nope, q_pe], dim=-1).reshape(b, 1, s_q * heads, 576)
+    kk = k[:, None]
+    mask = None
+    if s_q > 1:
+        token = torch.arange(s_q * heads, device=k.device) // heads
+        visible = torch.arange(s_k, device=k.device)[None, :] <= (s_k - s_q + token)[:, None]
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=k.device).masked_fill(~visible, float("-inf"))
+        mask = mask[None, None]
+    return q, kk, kk[..., :512], mask
+
+
+def sdpa_footprint(batch: int, s_k: int, rows: int, backend: str) -> int:
+    """Bytes held beside the queries: the gathered bf16 keys and a v copy (where the view is refused); the
+    math backend adds fp32 copies of k and v and three `[B, rows, s_k]` fp32 score-sized tensors."""
+    held = batch * s_k * (576 + 512) * 2
+    if backend == "math":
+        held += batch * s_k * (576 + 512) * 4 + 3 * batch * rows * s_k * 4
+    return held
+
+
+def sdpa_backend_choice(q, k, v, mask) -> str:
+    """The backend torch's own dispatch picks for these inputs (a private query; "?" where it is missing)."""
     try:
-        return time_graph(fn, calls=5, reps=5)
-    except Exception as e:
-        print(f"sdpa failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-        return None
+        return SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, False, scale=SM_SCALE)).name.lower()
+    except Exception:  # noqa: BLE001 - torch versions without the query
+        return "?"
+
+
+def run_sdpa(backend: str, q, k, v, mask) -> torch.Tensor:
+    with sdpa_kernel(SDPA_BACKENDS[backend]):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SM_SCALE)
+
+
+def sdpa_usable(backend: str, q, k, v, mask) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
+    """``(output, v used, note)`` of one call of ``backend``: v as the view of k, else a contiguous copy made
+    here (outside any timing); ``(None, None, reason)`` where the backend takes neither."""
+    why = ""
+    for v_try, note in ((v, "v view"), (None, "v copy")):
+        with warnings.catch_warnings(record=True) as caught:  # where SDPA says why it refuses
+            warnings.simplefilter("always")
+            try:
+                v_try = v.contiguous() if v_try is None else v_try
+                return run_sdpa(backend, q, k, v_try, mask), v_try, note
+            except Exception as e:  # noqa: BLE001 - a backend that refuses these shapes
+                reasons = [str(w.message).splitlines()[0][:160] for w in caught] or [str(e).splitlines()[0][:160]]
+                why = reasons[-1]
+    return None, None, why
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30)).item()
+
+
+def sdpa_self_check(device: str = DEV, tol: float = 1e-2) -> dict[str, str]:
+    """Each SDPA backend on a small case (B 2, s_k 6, h_q 3, s_q 1 and 2; bf16) against the float64 reference
+    decode, where the causal mask among the new tokens changes the result: proof that ``sdpa_inputs`` poses the
+    same problem. Returns backend -> "ok (rel err ...)" / "WRONG ..." / "refused: ...", per s_q."""
+    g = torch.Generator().manual_seed(7)
+    batch, s_k, heads = 2, 6, 3
+    k = torch.randn(batch, s_k, 576, generator=g).bfloat16().to(device)
+    cache = k.reshape(batch * s_k, 1, 576)
+    table = torch.arange(batch * s_k, device=device, dtype=torch.int32).view(batch, s_k)
+    lens = torch.full((batch,), s_k, dtype=torch.int32, device=device)
+    report = {}
+    for s_q in (1, 2):
+        q_nope = torch.randn(batch, s_q, heads, 512, generator=g).bfloat16().to(device)
+        q_pe = torch.randn(batch, s_q, heads, 64, generator=g).bfloat16().to(device)
+        want, _ = ref_mla.mla_decode(q_nope, q_pe, cache, table, lens, SM_SCALE, causal=True)
+        q, kk, v, mask = sdpa_inputs(k, q_nope, q_pe)
+        for name in SDPA_BACKENDS:
+            out, _, note = sdpa_usable(name, q, kk, v, mask)
+            if out is None:
+                report[f"{name} s_q={s_q}"] = f"refused: {note}"
+                continue
+            err = rel_err(out.view(batch, s_q, heads, 512), want)
+            report[f"{name} s_q={s_q}"] = f"{'ok' if err < tol else 'WRONG'} (rel err {err:.1e}, {note})"
+    return report
+
+
+def time_sdpa(cache: Cache, k: torch.Tensor | None, q_nope, q_pe) -> dict:
+    """The SDPA baseline of one row: every backend that takes the inputs (math only where no fused one does
+    and it fits ``SDPA_BUDGET``), timed; the fastest is the row's, its output checked against our decode."""
+    if k is None:
+        return {}
+    batch, s_q, heads = q_nope.shape[:3]
+    s_k = k.shape[1]
+    if sdpa_footprint(batch, s_k, s_q * heads, "efficient") > SDPA_BUDGET:
+        return dict(sdpa_note="skipped: the gathered cache alone is over the budget")
+    q, kk, v, mask = sdpa_inputs(k, q_nope, q_pe)
+    result = dict(sdpa_default=sdpa_backend_choice(q, kk, v, mask), sdpa_backends={})
+    best = None
+    for name in SDPA_BACKENDS:
+        if name == "math" and best is not None:
+            continue  # only a stand-in when no fused backend runs: it materializes the scores
+        if sdpa_footprint(batch, s_k, s_q * heads, name) > SDPA_BUDGET:
+            result["sdpa_backends"][name] = "skipped: over the memory budget"
+            continue
+        out, v_used, note = sdpa_usable(name, q, kk, v, mask)
+        if out is None:
+            result["sdpa_backends"][name] = f"refused: {note}"
+            continue
+        try:
+            us = time_graph(lambda i, v_used=v_used, name=name: run_sdpa(name, q, kk, v_used, mask), calls=5, reps=5)
+        except Exception as e:  # noqa: BLE001 - a backend that runs eagerly but not under capture
+            result["sdpa_backends"][name] = f"failed under capture: {type(e).__name__}"
+            continue
+        result["sdpa_backends"][name] = f"{us:.1f} us ({note})"
+        if best is None or us < best[0]:
+            best = (us, name, note, out)
+        del v_used
+    if best is None:
+        return result
+    ours = D.mla_decode(q_nope, q_pe, cache.kv, cache.block_table, cache.seq_lens, SM_SCALE)
+    err = rel_err(best[3].view(ours.shape), ours)
+    result.update(
+        sdpa_us=best[0], sdpa_backend=f"{best[1]}, {best[2]}", sdpa_rel_err=err,
+        sdpa_check="ok" if err < 2e-2 else "MISMATCH",
+    )  # fmt: skip
+    return result
 
 
 _copy_us: dict[int, float] = {}
@@ -201,10 +333,14 @@ def bench(args) -> list[dict]:
     print(f"# {torch.cuda.get_device_name()}; FlashMLA {'found' if fm else 'not found'}", flush=True)
     heads_list = [int(h) for h in args.heads.split(",")]
     s_q_list = [int(s) for s in args.s_q.split(",")]
-    lengths = ["4096", "8192", "16384", "varlen"] if not args.quick else ["4096", "varlen"]
+    lengths = args.sk.split(",") if not args.quick else ["4096", "varlen"]
+    if args.sdpa:
+        print(f"# torch {torch.__version__}; SDPA on a small case against the float64 reference:", flush=True)
+        for case, verdict in sdpa_self_check().items():
+            print(f"#   {case}: {verdict}", flush=True)
     header = (
         f"{'cache':>5} {'page':>4} {'s_k':>7} {'h_q':>4} {'s_q':>3} {'us':>8} {'GB/s':>6} {'TFLOP/s':>7} "
-        f"{'flashmla':>8} {'x fmla':>6} {'sdpa':>8} {'copy us':>7} {'of copy':>7}"
+        f"{'flashmla':>8} {'x fmla':>6} {'sdpa':>8} {'x sdpa':>6} {'copy us':>7} {'of copy':>7}  sdpa backend"
     )
     print(header, flush=True)
     rows = []
@@ -220,7 +356,8 @@ def bench(args) -> list[dict]:
                     q_nope, q_pe = queries(heads, s_q)
                     us = time_ours(cache, q_nope, q_pe)
                     f_us = time_flashmla(fm, cache, q_nope, q_pe)
-                    s_us = time_sdpa(gathered, q_nope, q_pe)
+                    sdpa = time_sdpa(cache, gathered, q_nope, q_pe)
+                    s_us = sdpa.get("sdpa_us")
                     flops = 2 * s_q * heads * (576 + 512) * sum(lens)
                     row = dict(
                         cache=cache_name,
@@ -235,14 +372,21 @@ def bench(args) -> list[dict]:
                         sdpa_us=s_us,
                         copy_us=copy_us,
                         bytes=cache.bytes,
+                        **{k: v for k, v in sdpa.items() if k != "sdpa_us"},
                     )
                     row["of_copy"] = copy_us / us
                     rows.append(row)
                     fmla = f"{f_us:8.1f} {f_us / us:6.2f}" if f_us else f"{'-':>8} {'-':>6}"
-                    sdpa = f"{s_us:8.1f}" if s_us else f"{'-':>8}"
+                    s_col = f"{s_us:8.1f} {s_us / us:6.2f}" if s_us else f"{'-':>8} {'-':>6}"
+                    s_by = ""
+                    if s_us:
+                        s_by = f"{row['sdpa_backend']} (default {row['sdpa_default']}), check {row['sdpa_check']}"
+                        s_by += f" (rel err {row['sdpa_rel_err']:.1e})"
+                    elif sdpa:
+                        s_by = sdpa.get("sdpa_note") or "; ".join(f"{k} {v}" for k, v in sdpa["sdpa_backends"].items())
                     print(
                         f"{cache_name:>5} {page:>4} {s_k:>7} {heads:>4} {s_q:>3} {us:8.1f} {row['gbps']:6.0f} "
-                        f"{row['tflops']:7.1f} {fmla} {sdpa} {copy_us:7.1f} {row['of_copy']:7.2f}",
+                        f"{row['tflops']:7.1f} {fmla} {s_col} {copy_us:7.1f} {row['of_copy']:7.2f}  {s_by}",
                         flush=True,
                     )
                 del cache, gathered
@@ -297,12 +441,13 @@ def sweep(args) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| cache | page | s_k | h_q | s_q | us | GB/s | TFLOP/s | FlashMLA us | FlashMLA / ours | SDPA us | copy us | copy / ours |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| cache | page | s_k | h_q | s_q | us | GB/s | TFLOP/s | FlashMLA us | FlashMLA / ours | SDPA us "
+        "| SDPA / ours | SDPA backend | copy us | copy / ours |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         f = f"{r['flashmla_us']:.1f} | {r['flashmla_us'] / r['us']:.2f}x" if r["flashmla_us"] else "- | -"
-        s = f"{r['sdpa_us']:.1f}" if r["sdpa_us"] else "-"
+        s = f"{r['sdpa_us']:.1f} | {r['sdpa_us'] / r['us']:.2f}x | {r['sdpa_backend']}" if r["sdpa_us"] else "- | - | -"
         lines.append(
             f"| {r['cache']} | {r['page']} | {r['s_k']} | {r['h_q']} | {r['s_q']} | {r['us']:.1f} | "
             f"{r['gbps']:.0f} | {r['tflops']:.1f} | {f} | {s} | {r['copy_us']:.1f} | {r['of_copy']:.2f} |"
@@ -316,6 +461,7 @@ def main() -> int:
     parser.add_argument("--caches", default="bf16,fp8")
     parser.add_argument("--heads", default="16,32,64,128")
     parser.add_argument("--s-q", default="1,2")
+    parser.add_argument("--sk", default="4096,8192,16384,varlen", help="s_k values (and/or varlen)")
     parser.add_argument("--quick", action="store_true", help="s_k 4096 and varlen only")
     parser.add_argument("--no-flashmla", action="store_true")
     parser.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=True)

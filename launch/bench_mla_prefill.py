@@ -2,6 +2,7 @@
 against torch SDPA timed in the same run, the LSE merge and the KV append.
 
     python launch/bench_mla_prefill.py [--heads 128] [--sweep] [--markdown FILE] [--json FILE]
+    python launch/bench_mla_prefill.py --append-only [--markdown FILE] [--json FILE]
 
 Attention cases: one sequence of 4096 tokens and a ragged batch (4 x 1024 + 1 x 4096), 128 heads (DeepSeek-V3
 without tensor parallelism), bf16. TFLOP/s count the causal FLOPs only (2 x visible pairs x (192 + 128) per
@@ -12,7 +13,15 @@ cudnn) is tried alone. Flash needs equal q/k and v head dims: where it refuses v
 the first case.
 
 Merge: `[T, H, 128]` bf16 partial outputs (and a 512-wide latent variant), GB/s of bytes read + written.
-Append: N tokens' 576 channels into a paged cache (bf16 and FP8 pages, page 64 and page 1), GB/s.
+Append: N tokens' 576 channels into a paged cache (bf16 and FP8 pages, page 64 and page 1), GB/s. Append with
+rope (N = 1, 16, 128, 4096; bf16 and FP8 pages, page 64; both pairings; positions random in DeepSeek-V3's 163840,
+fp32 cos/sin table): ``fused`` (``mla_append_kv`` given ``positions`` and ``cos_sin_cache``) against
+``separate`` (a plain-torch rope into a preallocated bf16 buffer, then ``mla_append_kv``), both in the same run;
+the torch rope alone and the append alone (kpe already rotated) are timed too. The torch rope is four
+kernels, the fewest plain torch needs for bf16 rows: the rows widened into fp32 pairs, the table's rows
+gathered as complex64 ``cos + i sin`` (built once outside the timing), one complex multiply, the narrowing
+back. Each fused row is checked against its separate row (the caches agree within one bf16 / e4m3 step).
+``--append-only`` runs only the append sections.
 """
 
 from __future__ import annotations
@@ -167,20 +176,106 @@ def append(gen: torch.Generator) -> list[dict]:
     return rows
 
 
+ROPE_MAX_POS = 163840
+
+
+class TorchRope:
+    """kpe rotated by plain torch ops into a preallocated ``out`` (the separate path's rope): pairs as complex64
+    numbers times the gathered ``cos + i sin`` rows."""
+
+    def __init__(self, n: int, cos_sin: torch.Tensor, interleaved: bool, dtype: torch.dtype):
+        max_pos = cos_sin.shape[0]
+        self.cis = torch.view_as_complex(cos_sin.float().view(max_pos, 2, 32).transpose(1, 2).contiguous())
+        self.pairs = torch.empty(n, 32, 2, device="cuda")
+        self.rows = torch.empty(n, 32, dtype=torch.complex64, device="cuda")
+        self.prod = torch.empty(n, 32, dtype=torch.complex64, device="cuda")
+        self.out = torch.empty(n, 64, dtype=dtype, device="cuda")
+        self.interleaved = interleaved
+
+    def _pairs_view(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        return x.view(n, 32, 2) if self.interleaved else x.view(n, 2, 32).transpose(1, 2)
+
+    def __call__(self, kpe: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.pairs.copy_(self._pairs_view(kpe))
+        torch.index_select(self.cis, 0, positions, out=self.rows)
+        torch.mul(torch.view_as_complex(self.pairs), self.rows, out=self.prod)
+        self._pairs_view(self.out).copy_(torch.view_as_real(self.prod))
+        return self.out
+
+
+def append_rope(gen: torch.Generator) -> list[dict]:
+    rows = []
+    theta = torch.rand(ROPE_MAX_POS, 32, generator=gen, dtype=torch.float64) * 6.3
+    cos_sin = torch.cat([theta.cos(), theta.sin()], 1).float().cuda()
+    page = 64
+    for n in (1, 16, 128, 4096):
+        ckv = torch.randn(n, 512, generator=gen).bfloat16().cuda()
+        kpe = torch.randn(n, 64, generator=gen).bfloat16().cuda()
+        positions = torch.randint(0, ROPE_MAX_POS, (n,), generator=gen).cuda()
+        pages = max(4, 4 * n // page)
+        slots = torch.randperm(pages * page, generator=gen)[:n].cuda()
+        for dtype, scale in ((torch.bfloat16, None), (torch.float8_e4m3fn, torch.tensor([0.02], device="cuda"))):
+            kind = "bf16" if scale is None else "fp8"
+            for interleaved in (True, False):
+                fused_cache = torch.zeros(pages, page, 576, dtype=dtype, device="cuda")
+                sep_cache = torch.zeros_like(fused_cache)
+                rope = TorchRope(n, cos_sin, interleaved, kpe.dtype)
+
+                def fused():
+                    fm.mla_append_kv(
+                        ckv, kpe, slots, fused_cache, kv_scale=scale, positions=positions, cos_sin_cache=cos_sin,
+                        rope_interleaved=interleaved,
+                    )  # fmt: skip
+
+                def separate():
+                    fm.mla_append_kv(ckv, rope(kpe, positions), slots, sep_cache, kv_scale=scale)
+
+                fused_us, _ = timed(fused)
+                sep_us, _ = timed(separate)
+                rope_us, _ = timed(lambda: rope(kpe, positions))
+                append_us, _ = timed(lambda: fm.mla_append_kv(ckv, rope.out, slots, sep_cache, kv_scale=scale))
+                # The two paths round differently (complex64 products, bf16 rows before FP8): at most one step of
+                # the cache's type apart (relative 2**-7 for bf16, 2**-3 for e4m3; e4m3's subnormal step 2**-9;
+                # 1e-5 for the fp32 products' error where a rotation cancels).
+                got, want = fused_cache.float()[..., 512:], sep_cache.float()[..., 512:]
+                step, tiny = (2.0**-7, 1e-5) if scale is None else (2.0**-3, 2.0**-9)
+                worst = ((got - want).abs() / (step * torch.maximum(got.abs(), want.abs()) + tiny)).max().item()
+                same_latent = torch.equal(fused_cache[..., :512].float(), sep_cache[..., :512].float())
+                rows.append(
+                    dict(
+                        n=n, cache=kind, page=page, pairing="interleaved" if interleaved else "neox",
+                        fused_us=fused_us, separate_us=sep_us, torch_rope_us=rope_us, append_us=append_us,
+                        separate_over_fused=sep_us / fused_us, rope_diff_in_steps=worst,
+                        check="ok" if same_latent and worst <= 1.0 else "MISMATCH",
+                    )
+                )  # fmt: skip
+                r = rows[-1]
+                print(
+                    f"append+rope N={n:<5} {kind:<4} {r['pairing']:<11} fused {fused_us:7.2f} us  separate "
+                    f"{sep_us:7.2f} us ({rope_us:6.2f} rope + {append_us:6.2f} append)  separate/fused "
+                    f"{r['separate_over_fused']:.2f}  check {r['check']} (rope diff {worst:.2f} steps)",
+                    flush=True,
+                )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--sweep", action="store_true", help="time every kernel config on the first case")
     parser.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA baselines")
+    parser.add_argument("--append-only", action="store_true", help="only the append sections (with and without rope)")
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    attn = attention(args.heads, gen, not args.no_sdpa, args.sweep)
-    moves = merge(args.heads, gen) + append(gen)
+    attn = [] if args.append_only else attention(args.heads, gen, not args.no_sdpa, args.sweep)
+    moves = ([] if args.append_only else merge(args.heads, gen)) + append(gen)
     for r in moves:
         print(f"{r['op']:<40} {r['us']:9.2f} us {r['gbps']:8.0f} GB/s", flush=True)
+    roped = append_rope(gen)
     if args.markdown:
         lines = [
             f"{torch.cuda.get_device_name()}, bf16, {args.heads} heads, causal; TFLOP/s of the causal FLOPs.",
@@ -196,12 +291,26 @@ def main() -> int:
             note = r.get("config") or r.get("note", "")
             vs = f"{r['ours_speedup']:.2f}x" if "ours_speedup" in r else ""
             lines.append(f"| {r['case']} | {r['impl']} | {r['us']:.1f} | {r['tflops']:.0f} | {vs} | {note} |")
+        if not attn:
+            lines = [f"{torch.cuda.get_device_name()}; the append sections only."]
         lines += ["", "| op | us | GB/s |", "|---|---:|---:|"]
         lines += [f"| {r['op']} | {r['us']:.2f} | {r['gbps']:.0f} |" for r in moves]
+        lines += [
+            "",
+            "| N | cache | pairing | fused us | separate us | torch rope us | append us | separate / fused | check |",
+            "|---:|---|---|---:|---:|---:|---:|---:|---|",
+        ]
+        lines += [
+            f"| {r['n']} | {r['cache']} | {r['pairing']} | {r['fused_us']:.2f} | {r['separate_us']:.2f} | "
+            f"{r['torch_rope_us']:.2f} | {r['append_us']:.2f} | {r['separate_over_fused']:.2f} | {r['check']} |"
+            for r in roped
+        ]
         args.markdown.write_text("\n".join(lines) + "\n")
     if args.json:
         args.json.write_text(
-            json.dumps(dict(device=torch.cuda.get_device_name(), attention=attn, moves=moves), indent=1)
+            json.dumps(
+                dict(device=torch.cuda.get_device_name(), attention=attn, moves=moves, append_rope=roped), indent=1
+            )
         )
     return 0
 

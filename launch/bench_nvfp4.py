@@ -14,7 +14,9 @@ Tables:
 
 --sweep first times a few tile configs per shape class of ``gemm_nvfp4_kernel.CONFIGS`` (the table's own first),
 checks each one's output against the first's, prints the fastest per class as a line to paste into the table,
-and makes the fastest the ones the tables below use (the JSON records both). --sass DIR writes the SASS (and
+and makes the fastest the ones the tables below use (the JSON records both); --sweep-kperm does the same on
+K-permuted weights (``pack_nvfp4_weights``) for ``CONFIGS_KPERM``. Every table also times NVFP4 on K-permuted
+weights (``nvfp4_kperm``). --sass DIR writes the SASS (and
 TTGIR/PTX) of every compiled NVFP4 kernel and prints its count of wgmma (HGMMA) instructions.
 
 Times are medians of CUDA-graph replays, NVFP4 and FP8 timed in turn, each after a short settle of its own
@@ -133,17 +135,22 @@ SWEEP = {
 }
 
 
-def sweep(rows: list[dict]) -> dict[str, dict]:
-    """Times the candidates of every class; returns the fastest config per class."""
+def sweep(rows: list[dict], kperm: bool = False) -> dict[str, dict]:
+    """Times the candidates of every class (on K-permuted weights with ``kperm``); returns the fastest config
+    per class."""
     best = {}
+    table = kernel.CONFIGS_KPERM if kperm else {}
     for cls, ((kind, e, per_expert, n, k, gated), candidates) in SWEEP.items():
         w, s, gs = nvfp4_weights(e, n, k, gated)
+        if kperm:
+            w = fm.pack_nvfp4_weights(w).data
         counts = torch.full((e,), per_expert, dtype=torch.int32, device=DEV)
         a = torch.randn(e * per_expert, k, device=DEV, dtype=torch.bfloat16)
         offsets = None if kind == "masked" else torch.arange(e, dtype=torch.int32, device=DEV) * per_expert
         out_n = n // 2 if gated else n
         capacity = per_expert if kind == "masked" else 2**31 - 1
-        configs = [dict(kernel.CONFIGS[cls], SWAP_AB=kernel.CONFIGS[cls].get("SWAP_AB", True))] + candidates
+        first = table.get(cls, kernel.CONFIGS[cls])
+        configs = [dict(first, SWAP_AB=first.get("SWAP_AB", True))] + candidates
         want = None
         results = []
         for cfg in configs:
@@ -163,6 +170,7 @@ def sweep(rows: list[dict]) -> dict[str, dict]:
                     limit=7.0,
                     capacity=capacity,
                     config=cfg,
+                    kperm=kperm,
                 )
 
             try:
@@ -182,6 +190,7 @@ def sweep(rows: list[dict]) -> dict[str, dict]:
                 dict(
                     table="sweep",
                     cls=cls,
+                    kperm=kperm,
                     config=json.dumps(cfg),
                     us=us,
                     tflops=tflops(flops, us),
@@ -189,13 +198,19 @@ def sweep(rows: list[dict]) -> dict[str, dict]:
                     ok=ok,
                 )
             )
-            print(f"sweep {cls} {cfg}: {us:.1f} us, {tflops(flops, us):.0f} TFLOP/s, err {err:.1e}", flush=True)
+            print(
+                f"sweep {cls}{' kperm' if kperm else ''} {cfg}: {us:.1f} us, {tflops(flops, us):.0f} TFLOP/s, err {err:.1e}",
+                flush=True,
+            )
             if not ok:
                 results.pop()
         if results:
             us, cfg = min(results, key=lambda r: r[0])
             best[cls] = cfg
-            print(f"BEST {cls}: {us:.1f} us (table's: {results[0][0]:.1f} us): {json.dumps(cfg)}", flush=True)
+            print(
+                f"BEST {cls}{' kperm' if kperm else ''}: {us:.1f} us (table's: {results[0][0]:.1f} us): {json.dumps(cfg)}",
+                flush=True,
+            )
     return best
 
 
@@ -209,6 +224,7 @@ def masked_rows(rows: list[dict]) -> None:
         nv = [nvfp4_weights(e, n, k) for _ in range(sets)]
         f8 = [_fp8_weights(e, n, k) for _ in range(sets)]
         packed = [fm.pack_fp8_block_weights(w) for w, _ in f8]
+        nvp = [(fm.pack_nvfp4_weights(w), s, gs) for w, s, gs in nv]
         for per_expert in (8, 16, 64, 128):
             a = torch.randn(e, per_expert, k, device=DEV, dtype=torch.bfloat16)
             aq, a_s = _fp8_rows(e * per_expert, k)
@@ -218,6 +234,9 @@ def masked_rows(rows: list[dict]) -> None:
             t = timed(
                 {
                     "nvfp4": lambda i: fm.grouped_gemm_nvfp4_masked(a, *nv[i % sets], counts, validate=False, out=out),
+                    "nvfp4_kperm": lambda i: fm.grouped_gemm_nvfp4_masked(
+                        a, *nvp[i % sets], counts, validate=False, out=out
+                    ),
                     "fp8": lambda i: fm.grouped_gemm_fp8_block_masked(aq, a_s, *f8[i % sets], counts, out=out),
                     "fp8_packed": lambda i: fm.grouped_gemm_fp8_block_masked(
                         aq, a_s, packed[i % sets], f8[i % sets][1], counts, out=out
@@ -233,10 +252,13 @@ def masked_rows(rows: list[dict]) -> None:
                     n=n,
                     k=k,
                     nvfp4_us=t["nvfp4"],
+                    nvfp4_kperm_us=t["nvfp4_kperm"],
                     fp8_us=t["fp8"],
                     fp8_packed_us=t["fp8_packed"],
                     speedup_vs_fp8_best=fp8_best / t["nvfp4"],
+                    kperm_speedup_vs_fp8_best=fp8_best / t["nvfp4_kperm"],
                     nvfp4_weight_tb_s=e * n * k / 2 / (t["nvfp4"] * 1e-6) / 1e12,
+                    nvfp4_kperm_weight_tb_s=e * n * k / 2 / (t["nvfp4_kperm"] * 1e-6) / 1e12,
                     nvfp4_with_scales_tb_s=e * n * (k / 2 + k / 16) / (t["nvfp4"] * 1e-6) / 1e12,
                     fp8_weight_tb_s=e * n * k / (fp8_best * 1e-6) / 1e12,
                     nvfp4_tflops=tflops(2.0 * e * per_expert * n * k, t["nvfp4"]),
@@ -257,11 +279,15 @@ def contiguous_rows(rows: list[dict]) -> None:
         a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         aq, a_s = _fp8_rows(m, k)
         w, s, gs = nvfp4_weights(e, n, k)
+        wp = fm.pack_nvfp4_weights(w)
         w8, s8 = _fp8_weights(e, n, k)
         out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
         t = timed(
             {
                 "nvfp4": lambda i: fm.grouped_gemm_nvfp4_contiguous(a, w, s, gs, layout, validate=False, out=out),
+                "nvfp4_kperm": lambda i: fm.grouped_gemm_nvfp4_contiguous(
+                    a, wp, s, gs, layout, validate=False, out=out
+                ),
                 "fp8": lambda i: fm.grouped_gemm_fp8_block_contiguous(aq, a_s, w8, s8, layout, out=out),
             },
             calls=3,
@@ -276,10 +302,13 @@ def contiguous_rows(rows: list[dict]) -> None:
                 n=n,
                 k=k,
                 nvfp4_us=t["nvfp4"],
+                nvfp4_kperm_us=t["nvfp4_kperm"],
                 fp8_us=t["fp8"],
                 nvfp4_tflops=tflops(flops, t["nvfp4"]),
+                nvfp4_kperm_tflops=tflops(flops, t["nvfp4_kperm"]),
                 fp8_tflops=tflops(flops, t["fp8"]),
                 nvfp4_vs_fp8=t["fp8"] / t["nvfp4"],
+                kperm_vs_fp8=t["fp8"] / t["nvfp4_kperm"],
             )
         )
         print(rows[-1], flush=True)
@@ -293,6 +322,7 @@ def fused_rows(rows: list[dict]) -> None:
         f13, fs13 = _fp8_weights(e, 2 * inter, h)
         f2, fs2 = _fp8_weights(e, h, inter)
         p13, p2 = fm.pack_fp8_block_weights(f13, gated=True), fm.pack_fp8_block_weights(f2)
+        k13, k2 = fm.pack_nvfp4_weights(w13), fm.pack_nvfp4_weights(w2)
         nv_kw = dict(quant="nvfp4", w13_scale=s13, w2_scale=s2, w13_global_scale=g13, w2_global_scale=g2)
         f8_kw = dict(quant="fp8_block", w13_scale=fs13, w2_scale=fs2)
         for t in (1, 16, 128, 4096):
@@ -303,6 +333,7 @@ def fused_rows(rows: list[dict]) -> None:
             times = timed(
                 {
                     "nvfp4": lambda i: fm.fused_moe(x, w13, w2, weights, ids, **nv_kw, **common),
+                    "nvfp4_kperm": lambda i: fm.fused_moe(x, k13, k2, weights, ids, **nv_kw, **common),
                     "fp8": lambda i: fm.fused_moe(x, f13, f2, weights, ids, **f8_kw, **common),
                     "fp8_packed": lambda i: fm.fused_moe(x, p13, p2, weights, ids, **f8_kw, **common),
                 },
@@ -317,9 +348,11 @@ def fused_rows(rows: list[dict]) -> None:
                     experts=e,
                     tokens=t,
                     nvfp4_us=times["nvfp4"],
+                    nvfp4_kperm_us=times["nvfp4_kperm"],
                     fp8_us=times["fp8"],
                     fp8_packed_us=times["fp8_packed"],
                     speedup_vs_fp8_best=fp8_best / times["nvfp4"],
+                    kperm_speedup_vs_fp8_best=fp8_best / times["nvfp4_kperm"],
                     active_experts=active,
                     nvfp4_weight_tb_s=active * 3 * h * inter / 2 / (times["nvfp4"] * 1e-6) / 1e12,
                 )
@@ -371,6 +404,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tables", default="masked,contiguous,fused")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-kperm", action="store_true", help="sweep the configs for K-permuted weights")
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sass", type=Path)
@@ -379,10 +413,15 @@ def main() -> None:
     rows: list[dict] = []
     tables = [t for t in args.tables.split(",") if t]
     default_configs = {cls: dict(cfg) for cls, cfg in kernel.CONFIGS.items()}
+    default_kperm = {cls: dict(cfg) for cls, cfg in kernel.CONFIGS_KPERM.items()}
     if args.sweep:
         best = sweep(rows)
         kernel.CONFIGS.update(best)  # the tables below use the winners
         print("CONFIGS = " + json.dumps(kernel.CONFIGS, indent=1), flush=True)
+    if args.sweep_kperm:
+        best = sweep(rows, kperm=True)
+        kernel.CONFIGS_KPERM.update(best)
+        print("CONFIGS_KPERM = " + json.dumps(kernel.CONFIGS_KPERM, indent=1), flush=True)
     runners = {"masked": masked_rows, "contiguous": contiguous_rows, "fused": fused_rows}
     for table in tables:
         try:
@@ -402,6 +441,8 @@ def main() -> None:
             device=torch.cuda.get_device_name(),
             default_configs=default_configs,
             used_configs=kernel.CONFIGS,
+            default_kperm_configs=default_kperm,
+            used_kperm_configs=kernel.CONFIGS_KPERM,
         )
         args.json.write_text(json.dumps([meta, *rows], indent=1))
 

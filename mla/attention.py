@@ -102,11 +102,26 @@ class MLAAttention:
         kv_cache: torch.Tensor,
         *,
         kpe_cache: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cos_sin_cache: torch.Tensor | None = None,
+        rope_interleaved: bool = True,
     ) -> None:
-        """Writes new tokens' latent `[N, 512]` and rotated rope `[N, 64]` rows into slots `[N]`
-        (``page * page_size + offset``, negative to skip) of ``kv_cache``; see ``mla_append_kv``."""
+        """Writes new tokens' latent `[N, 512]` and rope `[N, 64]` rows into slots `[N]`
+        (``page * page_size + offset``, negative to skip) of ``kv_cache``; the rope rows arrive rotated, or
+        unrotated with ``positions`` `[N]` and ``cos_sin_cache`` `[max_pos, 64]`, rotated in the same kernel;
+        see ``mla_append_kv``."""
         kv_cache, kpe_cache = self._cache(kv_cache, kpe_cache)
-        mla_append_kv(ckv, kpe, slots, kv_cache, kpe_cache=kpe_cache, kv_scale=self.kv_scale)
+        mla_append_kv(
+            ckv,
+            kpe,
+            slots,
+            kv_cache,
+            kpe_cache=kpe_cache,
+            kv_scale=self.kv_scale,
+            positions=positions,
+            cos_sin_cache=cos_sin_cache,
+            rope_interleaved=rope_interleaved,
+        )
 
     def plan(self, seq_lens: torch.Tensor, s_q: int = 1, **kwargs):
         """The decode schedule for one step, computed on the GPU (capturable): pass it to every layer's

@@ -16,6 +16,7 @@ from flashinfer_moe import _checks
 from . import gemm, gemm_nvfp4
 from .layout import moe_align_contiguous
 from .packed import PackedFp8BlockWeights
+from .packed_nvfp4 import PackedNvfp4Weights
 from .permute import combine, permute, permute_fp8_per_tensor, permute_fp8_per_token_group
 from .quant import FLOATS, FP8, quantize_fp8_per_tensor
 
@@ -101,7 +102,8 @@ def fused_moe(
             (W4A16: ModelOpt NVFP4 weights ``w13`` `[E, 2I, H / 2]` and ``w2`` `[E, H, I / 2]` uint8 with E4M3
             block scales ``w13_scale`` `[E, 2I, H / 16]`, ``w2_scale`` `[E, H, I / 16]` and fp32 global scales
             ``w13_global_scale`` `[E]` or `[E, 2]` (gate, up) and ``w2_global_scale`` `[E]`; activations stay
-            bf16/fp16; ``H`` and ``I`` multiples of 32).
+            bf16/fp16; ``H`` and ``I`` multiples of 32; ``w13``/``w2`` also K-permuted by
+            ``pack_nvfp4_weights``, faster on Hopper, where ``H`` and ``I`` are multiples of 64).
         w13_scale, w2_scale: weight scales as ``quant`` needs (float32).
         a13_scale, a2_scale: static per-tensor activation scales for ``"fp8_tensor"`` (e.g. a checkpoint's
             ``input_scale``), float32 one-element tensors (or positive finite floats).
@@ -144,7 +146,7 @@ def fused_moe(
     if routed_scaling_factor is not None:
         _checks.positive_float("routed_scaling_factor", routed_scaling_factor)
     for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        t = t.data if isinstance(t, PackedFp8BlockWeights) else t
+        t = t.data if isinstance(t, (PackedFp8BlockWeights, PackedNvfp4Weights)) else t
         _checks.same_device(name, _checks.tensor(name, t), "hidden_states", hidden)
     out_dtype = hidden.dtype
     act = dict(activation=activation, alpha=alpha, limit=limit)

@@ -24,6 +24,8 @@ from flashinfer_moe._ops import LIB, on_device
 
 from .gemm import _ACT_DOC, _activation, _check_experts, _outputs, _rows_and_groups
 from .gemm_op import ACT_NAMES
+from .packed_nvfp4 import PackedNvfp4Weights, check_packable
+from .packed_nvfp4 import _permute as _kpermute
 from .quant import FP8
 
 __all__ = ["grouped_gemm_nvfp4_contiguous", "grouped_gemm_nvfp4_masked"]
@@ -33,7 +35,7 @@ ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
 LIB.define(
     "grouped_gemm_nvfp4_(Tensor a, Tensor w, Tensor w_block_scale, Tensor w_global_scale, Tensor counts, "
-    "Tensor? offsets, Tensor(a!) out, int act, float alpha, float limit, int capacity) -> ()"
+    "Tensor? offsets, Tensor(a!) out, int act, float alpha, float limit, int capacity, bool kperm) -> ()"
 )
 
 
@@ -49,8 +51,8 @@ def dequantize_weights(w: torch.Tensor, block_scale: torch.Tensor, global_scale:
     return values * gs[:, None, None]
 
 
-def _gemm_cpu(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity):
-    wf = dequantize_weights(w, w_block_scale, w_global_scale)
+def _gemm_cpu(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity, kperm):
+    wf = dequantize_weights(_kpermute(w, pack=False) if kperm else w, w_block_scale, w_global_scale)
     counts = counts.clamp(max=capacity)
     if offsets is None:
         offsets = torch.arange(counts.shape[0], dtype=torch.int32) * capacity
@@ -62,10 +64,10 @@ def _gemm_cpu(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, al
         out[start : start + count] = y[start : start + count].to(out.dtype)
 
 
-def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity):
+def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity, kperm):
     from . import gemm_nvfp4_kernel as kernel
 
-    config = kernel.pick(a.shape[0], w.shape[0], capacity, bool(act), 2 * w.shape[2])
+    config = kernel.pick(a.shape[0], w.shape[0], capacity, bool(act), 2 * w.shape[2], kperm)
     with on_device(a):
         kernel.launch(
             a,
@@ -80,6 +82,7 @@ def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, a
             limit=limit,
             capacity=capacity,
             config=config,
+            kperm=kperm,
         )
 
 
@@ -126,10 +129,14 @@ def check_weights(
     """``(w, block_scale, global_scale)`` checked against ``K`` and ``like``'s device: ``w`` `[E, N, K / 2]`
     uint8, ``block_scale`` `[E, N, K / 16]` float8_e4m3fn, ``global_scale`` fp32 `[E]` (or `[E, 2]` when
     ``gated``). ``names``: the three arguments' names and the name of the tensor K comes from. The global
-    scale's values are not read here (see :func:`check_global_scale_values`)."""
+    scale's values are not read here (see :func:`check_global_scale_values`). ``w`` may be
+    :class:`PackedNvfp4Weights` (returned as given, its data checked)."""
     w_name, s_name, g_name, k_name = names
     if k % K_MULTIPLE:
         raise ValueError(f"{k_name} must have K a multiple of {K_MULTIPLE} for NVFP4 weights, got K = {k}")
+    given = w
+    if isinstance(w, PackedNvfp4Weights):
+        w = check_packable(w_name, w.data)
     w = _checks.tensor(w_name, w)
     _checks.ndim(w_name, w, 3, "[E, N, K / 2]")
     _checks.dtype_in(w_name, w, (torch.uint8,))
@@ -157,7 +164,7 @@ def check_weights(
         doc = "[E] or [E, 2] (gate, up)" if gated else "[E]"
         raise ValueError(f"{g_name} must have shape {' or '.join(map(str, shapes))} ({doc}), got {tuple(g.shape)}")
     _checks.same_device(g_name, g, k_name, like)
-    return w, s, g.contiguous()
+    return (given if isinstance(given, PackedNvfp4Weights) else w), s, g.contiguous()
 
 
 def check_moe_weights(hidden, w13, w2, w13_scale, w2_scale, w13_global_scale, w2_global_scale):
@@ -194,9 +201,21 @@ def _nvfp4(a, w, w_block_scale, w_global_scale, layout, masked, activation, alph
     (out,) = _outputs(out, a, n, a.dtype if out_dtype is None else out_dtype, False)
     if validate:
         check_global_scale_values(w_global_scale=g)
+    kperm = isinstance(w, PackedNvfp4Weights)
     if a.numel() and out.numel():
         torch.ops.flashinfer_moe.grouped_gemm_nvfp4_(
-            a.reshape(-1, a.shape[-1]), w, s, g, counts, offsets, out.view(-1, n), act, alpha, limit, capacity
+            a.reshape(-1, a.shape[-1]),
+            w.data if kperm else w,
+            s,
+            g,
+            counts,
+            offsets,
+            out.view(-1, n),
+            act,
+            alpha,
+            limit,
+            capacity,
+            kperm,
         )
     return out
 
@@ -204,7 +223,7 @@ def _nvfp4(a, w, w_block_scale, w_global_scale, layout, masked, activation, alph
 # ---------------------------------------------------------------------------------------------- public
 
 _WEIGHTS_DOC = """w: `[E, N, K / 2]` uint8, two E2M1 codes per byte, element ``2i`` in the low nibble (ModelOpt
-            ``weight``).
+            ``weight``); or the same K-permuted by :func:`pack_nvfp4_weights` (faster on Hopper).
         w_block_scale: `[E, N, K / 16]` float8_e4m3fn, one scale per 16 elements along K (``weight_scale``).
         w_global_scale: `[E]` float32, positive and finite (``weight_scale_2``); with an activation also
             `[E, 2]`: the gate rows' and the up rows' global scales."""

@@ -77,23 +77,49 @@ mul.rn.bf16x2 $3, $3, $8;
 
 
 @triton.jit
+def _natural_bytes(x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per-byte values `[BLOCK_N, BLOCK_K / 2]` of K-permuted weights (see ``moe.packed_nvfp4``) put back in
+    natural byte order: stored byte ``8 q + 2 c + h`` of each 32-byte span is natural byte ``8 c + 4 h + q``."""
+    x = tl.reshape(x, (BLOCK_N, BLOCK_K // 64, 4, 4, 2))  # [n, span, q, c, h]
+    return tl.reshape(tl.permute(x, (0, 1, 3, 4, 2)), (BLOCK_N, BLOCK_K // 2))
+
+
+@triton.jit
 def expand_nvfp4(
-    packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, EXPAND: tl.constexpr = 0
+    packed,
+    scale,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DTYPE: tl.constexpr,
+    EXPAND: tl.constexpr = 0,
+    KPERM: tl.constexpr = False,
 ):
-    """``packed`` `[BLOCK_N, BLOCK_K / 2]` uint8 (element 2i in the low nibble) and ``scale``
-    `[BLOCK_N, BLOCK_K / 16]` (E4M3 block scales, any float type) -> `[BLOCK_N, BLOCK_K]` values in ``DTYPE``
-    (``EXPAND_PRMT`` needs a bf16 ``DTYPE`` and a GPU)."""
+    """``packed`` `[BLOCK_N, BLOCK_K / 2]` uint8 (element 2i in the low nibble; with ``KPERM`` in the
+    K-permuted byte order) and ``scale`` `[BLOCK_N, BLOCK_K / 16]` (E4M3 block scales, any float type) ->
+    `[BLOCK_N, BLOCK_K]` values in ``DTYPE`` (``EXPAND_PRMT`` needs a bf16 ``DTYPE`` and a GPU)."""
     if EXPAND == 2:
         sb = scale.to(tl.float32).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
         pair = sb | (sb << 16)  # the scale in both halves of a bf16x2
-        pair = tl.reshape(tl.broadcast_to(pair[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
+        if KPERM:
+            # Stored byte 8 q + 2 c + h of a span belongs to scale group c of that span.
+            pair = tl.reshape(pair, (BLOCK_N, BLOCK_K // 64, 1, 4, 1))
+            pair = tl.broadcast_to(pair, (BLOCK_N, BLOCK_K // 64, 4, 4, 2))
+        else:
+            pair = tl.broadcast_to(pair[:, :, None], (BLOCK_N, BLOCK_K // 16, 8))
+        pair = tl.reshape(pair, (BLOCK_N, BLOCK_K // 2))
         o = tl.inline_asm_elementwise(
             _PRMT_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, pair], dtype=tl.uint32, is_pure=True, pack=4
         )
+        if KPERM:
+            # After the expansion, so that the elementwise work keeps the load's layout and the permutation
+            # is only a renaming of the registers the wgmma operand needs.
+            o = _natural_bytes(o, BLOCK_N, BLOCK_K)
         lo = (o & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         hi = (o >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
     else:
+        if KPERM:
+            packed = _natural_bytes(packed, BLOCK_N, BLOCK_K)
         x = packed.to(tl.uint16)
         lo = ((x & 0x8) << 12) | ((x & 0x7) << 9)  # sign to bit 15, exponent and mantissa to bits 11..9
         hi = ((x & 0x80) << 8) | ((x & 0x70) << 5)
@@ -150,6 +176,7 @@ def grouped_gemm_nvfp4_kernel(
     BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,
     EXPAND: tl.constexpr,
+    KPERM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
@@ -195,13 +222,13 @@ def grouped_gemm_nvfp4_kernel(
         wb = w_desc.load([w_row, k0 // 2])
         s_ptrs += GROUPS_K
         ws_next = _load_scales(s_ptrs, offs_g, K - k0 - BLOCK_K)
-        acc = _product(a, expand_nvfp4(wb, ws, BLOCK_N, BLOCK_K, dtype, EXPAND), acc, SWAP_AB)
+        acc = _product(a, expand_nvfp4(wb, ws, BLOCK_N, BLOCK_K, dtype, EXPAND, KPERM), acc, SWAP_AB)
         ws = ws_next
         if ACT != _ACT_NONE:
             ub = w_desc.load([w_row + N, k0 // 2])
             su_ptrs += GROUPS_K
             us_next = _load_scales(su_ptrs, offs_g, K - k0 - BLOCK_K)
-            acc_up = _product(a, expand_nvfp4(ub, us, BLOCK_N, BLOCK_K, dtype, EXPAND), acc_up, SWAP_AB)
+            acc_up = _product(a, expand_nvfp4(ub, us, BLOCK_N, BLOCK_K, dtype, EXPAND, KPERM), acc_up, SWAP_AB)
             us = us_next
 
     if SWAP_AB:
@@ -247,11 +274,13 @@ def launch(
     limit: float,
     capacity: int,
     config: dict,
+    kperm: bool = False,
 ) -> None:
     """Launch on 2-D views: ``a [R, K]``, ``w [E, NW, K / 2]``, ``w_block_scale [E, NW, K / 16]``,
     ``w_global_scale`` `[E]` or `[E, 2]` (gate, up), ``out [R, N]``, all unit stride in the last dimension;
     ``counts`` `[E]` int32; ``offsets`` `[E]` int32 (contiguous) or None (masked: expert ``e`` at row
-    ``e * capacity``). The grid is a static bound from the layout's shape (no host sync)."""
+    ``e * capacity``). ``kperm``: ``w`` is in the K-permuted byte order of ``moe.packed_nvfp4`` (the config's
+    ``BLOCK_K`` a multiple of 64). The grid is a static bound from the layout's shape (no host sync)."""
     num_experts, nw, half_k = w.shape
     k = 2 * half_k
     n = nw // 2 if act != ACT_NONE else nw
@@ -295,6 +324,7 @@ def launch(
         BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
         GROUP_M=config.get("GROUP_M", 8),
         EXPAND=expand_variant(config, a.dtype),
+        KPERM=kperm,
         num_warps=config.get("num_warps", 4),
         num_stages=config.get("num_stages", 3),
     )
@@ -331,6 +361,16 @@ CONFIGS = {
 }
 
 
+# Where K-permuted weights (``kperm``) measured fastest with another config than ``CONFIGS``'s
+# (launch/bench_nvfp4.py --sweep-kperm on an H200): with the bytes of each thread together, the swapped
+# operand order (weights from registers) wins at prefill too.
+CONFIGS_KPERM: dict[str, dict] = {
+    "mid64": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 8},
+    "prefill": {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8},
+    "prefill_gated": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8},
+}
+
+
 def shape_class(rows: int, num_experts: int, capacity: int, gated: bool) -> str:
     """The config class of a call: by the expected rows per expert (the layout's, never the counts')."""
     per_expert = min(capacity, -(-rows // max(num_experts, 1)))
@@ -347,8 +387,10 @@ def shape_class(rows: int, num_experts: int, capacity: int, gated: bool) -> str:
     return f"{size}_gated" if gated else size
 
 
-def pick(rows: int, num_experts: int, capacity: int, gated: bool, k: int) -> dict:
-    """The tile config for one call; ``BLOCK_K`` no larger than K rounded up to a power of two."""
-    cfg = dict(CONFIGS[shape_class(rows, num_experts, capacity, gated)])
+def pick(rows: int, num_experts: int, capacity: int, gated: bool, k: int, kperm: bool = False) -> dict:
+    """The tile config for one call; ``BLOCK_K`` no larger than K rounded up to a power of two (K-permuted
+    weights have K a multiple of 64, so their ``BLOCK_K`` stays a multiple of 64)."""
+    cls = shape_class(rows, num_experts, capacity, gated)
+    cfg = dict(CONFIGS_KPERM.get(cls, CONFIGS[cls]) if kperm else CONFIGS[cls])
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(32, triton.next_power_of_2(k)))
     return cfg

@@ -281,6 +281,10 @@ def case_matches_native(quant, routing, rsf, drop_ids, seed, tokens=37) -> dict:
         ids[::3, ::2] = -1
         topk = topk._replace(topk_ids=ids)
     w13, w2 = stacked(ckpt, "weight")
+    if quant == "nvfp4":  # the post-load step K-permutes NVFP4 weights (each row's bytes, in place)
+        from flashinfer_moe import pack_nvfp4_weights
+
+        w13, w2 = pack_nvfp4_weights(w13).data, pack_nvfp4_weights(w2).data
     # Per-tensor FP8: SGLang's post-load step requantizes w13's lower-scaled half to one scale per expert.
     same_bytes = torch.equal(ours.w2_weight.view(torch.uint8), w2.view(torch.uint8))
     if quant != "fp8_tensor":
@@ -316,6 +320,45 @@ def case_matches_native(quant, routing, rsf, drop_ids, seed, tokens=37) -> dict:
     # SGLang folds routed_scaling_factor into the top-k weights for NVFP4 layers (not into the runner).
     results["fused_in_topk"] = bool(ours.should_fuse_routed_scaling_factor_in_topk)
     results["scaled_vs_native"] = relative_error(scaled, want * (1.0 if results["fused_in_topk"] else rsf or 1.0))
+    return results
+
+
+def case_nvfp4_reload(seed: int = 7, tokens: int = 13) -> dict:
+    """NVFP4 weights are K-permuted after loading; a reload through SGLang's ``weight_loader`` puts the layer
+    back in checkpoint order before it writes, so a partial reload (no post-load step) and a full one (with
+    it) both give the new checkpoint's output."""
+    import torch
+
+    from flashinfer_moe.sglang_runner import K_PERMUTED
+
+    ours, native = make_layer(True, "nvfp4"), make_layer(False, None)
+    load(ours, checkpoint("nvfp4", seed))
+    results = {"permuted_after_load": getattr(ours, K_PERMUTED, False)}
+    new = checkpoint("nvfp4", seed + 1)
+    x, topk = route("qwen", tokens, seed)
+    # One expert's tensors through the loader, no post-load step: read plain, the rest untouched.
+    one = {k: v for k, v in new.items() if k.startswith("experts.3.")}
+    params = dict(ours.named_parameters(prefix="experts"))
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    for name, tensor in one.items():
+        for param_name, weight_name, expert_id, shard_id in FusedMoE.make_expert_params_mapping(
+            "gate_proj", "down_proj", "up_proj", E
+        ):
+            if weight_name in name and expert_id == 3:
+                param = params[name.replace(weight_name, param_name)]
+                param.weight_loader(param, tensor, name, shard_id=shard_id, expert_id=expert_id)
+                break
+    results["permuted_after_partial"] = getattr(ours, K_PERMUTED, False)
+    mixed = checkpoint("nvfp4", seed) | one
+    load(native, dequantized(mixed, "nvfp4"))
+    set_cuda_semantics(False)
+    results["partial_vs_native"] = relative_error(ours(x, topk), native(x, topk))
+    load(ours, new)
+    load(native, dequantized(new, "nvfp4"))
+    results["permuted_after_full"] = getattr(ours, K_PERMUTED, False)
+    results["full_vs_native"] = relative_error(ours(x, topk), native(x, topk))
+    results["nan"] = bool(ours(x, topk).isnan().any()) or not torch.isfinite(native(x, topk)).all()
     return results
 
 

@@ -56,14 +56,16 @@ def test_ep_layer_equals_single_process_layer(world):
 
 def _nvfp4(rank: int, world: int, seed: int) -> list[tuple[str, float]]:
     """NVFP4 experts (the bf16 checkpoint quantized at load, the same way on every rank and in the reference):
-    bf16 rows travel, W4A16 GEMMs on each rank."""
+    bf16 rows travel, W4A16 GEMMs on each rank; also with the local experts' weights K-permuted."""
     weights = checkpoint(seed)
     ref = Reference("nvfp4", "cpu", weights)
     results = []
-    for mode in ("high_throughput", "low_latency"):
+    for mode, packed in (("high_throughput", False), ("low_latency", False), ("low_latency", True)):
         layer = build(None, "nvfp4", mode, "cpu", weights, backend="nccl", timeout_s=60)
+        if packed:
+            layer.pack_weights()
         x = tokens(seed, rank, _token_counts(world)[rank], "cpu")
-        results.append((mode, relative_error(layer(x), ref(x))))
+        results.append((f"{mode}{' packed' if packed else ''}", relative_error(layer(x), ref(x))))
         layer.close()
     return results
 

@@ -86,27 +86,30 @@ def test_masked(rng, act, capacity):
         assert got[e, c:].isnan().all()
 
 
+@pytest.mark.parametrize("kperm", [False, True])
 @pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize(
     "name", ["decode", "decode_gated", "mid64", "mid64_gated", "mid", "mid_gated", "prefill", "prefill_gated"]
 )
-def test_every_config(rng, name, swap):
-    """Each tile config of the table, in both operand orders, on a shape that is partial in every dimension."""
+def test_every_config(rng, name, swap, kperm):
+    """Each tile config of the table, in both operand orders, on plain and K-permuted weights, on a shape that
+    is partial in every dimension (K-permuted weights come in whole 64-element spans)."""
     from flashinfer_moe.moe import gemm_nvfp4_kernel as kernel
 
     seed, g = rng
     gated = name.endswith("gated")
     counts = torch.tensor([0, 1, 127, 33, 300], dtype=torch.int32)
     offsets = torch.cat((torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()))
-    rows, n, k = int(counts.sum()), 200, 224
+    rows, n, k = int(counts.sum()), 200, 320 if kperm else 224
     a = torch.randn(rows, k, generator=g).bfloat16().to(DEV)
     w, s, gs = random_nvfp4(5, 2 * n if gated else n, k, g, gated=gated)
     out = torch.full((rows, n), float("nan"), device=DEV)
-    cfg = dict(kernel.CONFIGS[name], SWAP_AB=swap)
+    table = kernel.CONFIGS_KPERM if kperm else {}
+    cfg = dict(table.get(name, kernel.CONFIGS[name]), SWAP_AB=swap)
     act = 1 if gated else 0
     kernel.launch(
         a,
-        w,
+        fm.pack_nvfp4_weights(w).data if kperm else w,
         s,
         gs,
         out,
@@ -117,6 +120,7 @@ def test_every_config(rng, name, swap):
         limit=7.0,
         capacity=2**31 - 1,
         config=cfg,
+        kperm=kperm,
     )
     torch.cuda.synchronize()
     want = _reference(a, w, s, gs, counts, offsets, "silu" if gated else None)
@@ -124,10 +128,11 @@ def test_every_config(rng, name, swap):
     assert not out.isnan().any()
 
 
+@pytest.mark.parametrize("kperm", [False, True])
 @pytest.mark.parametrize("expand", [0, 2])  # the portable expansion and the prmt lookup
 @pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize("name", ["decode", "mid", "prefill"])
-def test_every_code_expands_exactly(name, swap, expand):
+def test_every_code_expands_exactly(name, swap, expand, kperm):
     """a = I: the output is the expanded weights themselves, every E2M1 code under every finite E4M3 scale
     (subnormals included), bit for bit the reference's dequantization (nothing flushed to zero)."""
     from flashinfer_moe import reference_quant as rq
@@ -145,7 +150,7 @@ def test_every_code_expands_exactly(name, swap, expand):
     cfg = dict(kernel.CONFIGS[name], SWAP_AB=swap, EXPAND=expand)
     kernel.launch(
         eye,
-        w.to(DEV),
+        (fm.pack_nvfp4_weights(w).data if kperm else w).to(DEV),
         scales.to(DEV),
         torch.ones(1, device=DEV),
         out,
@@ -156,6 +161,7 @@ def test_every_code_expands_exactly(name, swap, expand):
         limit=7.0,
         capacity=2**31 - 1,
         config=cfg,
+        kperm=kperm,
     )
     torch.cuda.synchronize()
     assert torch.equal(out.cpu().t(), rq.dequantize_nvfp4(w, scales, 1.0)[0])
@@ -169,8 +175,8 @@ def test_every_code_expands_exactly(name, swap, expand):
         ("qwen3_235b_a22b", 128, 8, 4096, 1536),
     ],
 )
-@pytest.mark.parametrize("num_tokens", [1, 127])
-def test_fused_moe_model_shapes(rng, model, num_experts, top_k, hidden, inter, num_tokens):
+@pytest.mark.parametrize("num_tokens, packed", [(1, False), (127, False), (1, True), (127, True)])
+def test_fused_moe_model_shapes(rng, model, num_experts, top_k, hidden, inter, num_tokens, packed):
     seed, g = rng
     x = torch.randn(num_tokens, hidden, generator=g).bfloat16().to(DEV)
     w13, s13, g13 = random_nvfp4(num_experts, 2 * inter, hidden, g, gated=True)
@@ -178,7 +184,10 @@ def test_fused_moe_model_shapes(rng, model, num_experts, top_k, hidden, inter, n
     weights, ids = fm.route(torch.randn(num_tokens, num_experts, generator=g).to(DEV), top_k)
     out = torch.full_like(x, float("nan"))
     kw = dict(quant="nvfp4", w13_scale=s13, w2_scale=s2, w13_global_scale=g13, w2_global_scale=g2)
-    fm.fused_moe(x, w13, w2, weights, ids, out=out, **kw)
+    if packed:  # K-permuted at load time
+        fm.fused_moe(x, fm.pack_nvfp4_weights(w13), fm.pack_nvfp4_weights(w2), weights, ids, out=out, **kw)
+    else:
+        fm.fused_moe(x, w13, w2, weights, ids, out=out, **kw)
     # float64 model, expert by expert (only the routed ones are dequantized)
     xd, want = x.double(), torch.zeros(num_tokens, hidden, dtype=torch.float64, device=DEV)
     for e in ids.unique().tolist():

@@ -129,18 +129,50 @@ def test_bad_checkpoint_tensors_name_the_key(rng):
     assert_error_names_argument(lambda: MoELayer(4, 2, 128, 48, quant="nvfp4"), ValueError, "hidden_size")
 
 
+def test_pack_weights_k_permutes_in_place_and_loads_packed(rng):
+    """pack_weights: same output, weights K-permuted over their own memory; loading into a packed layer packs
+    what it loads; unpack_weights restores the checkpoint's bytes; sizes that are not whole spans refused."""
+    seed, g = rng
+    layer = make_layer("softmax", 6, 2, 128, 64, "nvfp4", g)
+    ckpt = modelopt_checkpoint(hf_experts(g, 6, 128, 64), g)
+    layer.load_expert_weights(ckpt)
+    plain13, plain2, ptr = layer.w13.clone(), layer.w2.clone(), layer.w13.data_ptr()
+    x = torch.randn(5, 128, generator=g).bfloat16()
+    want = layer(x)
+    layer.pack_weights()
+    assert layer.weights_packed and layer.w13.data_ptr() == ptr and layer.w13.shape == (6, 128, 2, 32)
+    assert torch.equal(layer.w13.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain13).data)
+    assert torch.equal(layer.w2.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain2).data)
+    assert torch.equal(layer(x), want), f"seed {seed}"
+    fresh = make_layer("softmax", 6, 2, 128, 64, "nvfp4", g)
+    fresh.pack_weights()
+    fresh.load_expert_weights(ckpt)
+    assert torch.equal(fresh.w13, layer.w13) and torch.equal(fresh.w2, layer.w2)
+    with pytest.raises(RuntimeError, match="size mismatch"):  # a packed state never loads as plain bytes
+        make_layer("softmax", 6, 2, 128, 64, "nvfp4", g).load_state_dict(layer.state_dict())
+    fresh.load_state_dict(layer.state_dict())
+    layer.unpack_weights()
+    assert not layer.weights_packed and torch.equal(layer.w13, plain13) and torch.equal(layer.w2, plain2)
+    odd = MoELayer(4, 2, 128, 96, quant="nvfp4")
+    assert_error_names_argument(odd.pack_weights, ValueError, "intermediate_size")
+
+
 # ------------------------------------------------------------------------------------------------------ GPU
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 16, 300])
-def test_gpu_forward_matches_dequantized_model(num_tokens, rng):
-    """The kernels (Triton W4A16, eager calls up to 256 tokens through CUDA graphs) against the float64 model."""
+def test_gpu_forward_matches_dequantized_model(num_tokens, packed, rng):
+    """The kernels (Triton W4A16, eager calls up to 256 tokens through CUDA graphs; plain and K-permuted
+    weights) against the float64 model."""
     seed, g = rng
     num_experts, top_k, hidden, inter = 32, 4, 1024, 256
     layer = make_layer("deepseek_v3", num_experts, top_k, hidden, inter, "nvfp4", g, device="cuda")
     ckpt = modelopt_checkpoint(hf_experts(g, num_experts, hidden, inter), g)
     layer.load_expert_weights(ckpt)
+    if packed:
+        layer.pack_weights()
     x = torch.randn(num_tokens, hidden, generator=g).bfloat16().cuda()
     logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).cuda()
     out = layer(x, logits)

@@ -149,6 +149,20 @@ def test_append_then_decode(rng):
     assert rel_err(out, want) < 2e-2 and (lse.double() - want_lse).abs().max() < 1e-3, seed
 
 
+def test_append_with_rope_rotates_as_the_reference(rng):
+    """The wrapper passes positions and the cos/sin table through: the cache holds the rotated rows."""
+    seed, g = rng
+    attn = fm.MLAAttention(2, SCALE, 16)
+    kv, want = torch.zeros(3, 16, 576, dtype=torch.bfloat16), torch.zeros(3, 16, 576, dtype=torch.bfloat16)
+    ckv, kpe = torch.randn(5, 512, generator=g), torch.randn(5, 64, generator=g)
+    slots, positions = torch.tensor([3, 17, 40, -1, 9]), torch.tensor([0, 5, 99, 7, 1])
+    table = torch.randn(100, 64, generator=g)
+    attn.append_kv(ckv, kpe, slots, kv, positions=positions, cos_sin_cache=table, rope_interleaved=False)
+    ref.append_kv(ckv, ref.rotate_rope(kpe, positions, table, interleaved=False), slots, want)
+    assert torch.equal(kv, want), seed
+    assert not torch.equal(kv[..., 512:], torch.zeros_like(kv[..., 512:]))
+
+
 def test_constructor_and_repr():
     attn = fm.MLAAttention(16, SCALE, 64)
     assert "num_heads=16" in repr(attn) and "bfloat16" in repr(attn)

@@ -65,6 +65,13 @@ def test_layer_matches_sglang_native(sglang, quant, routing, rsf, drop_ids):
         assert r["vs_reference"] < BF16, r
 
 
+def test_nvfp4_weights_k_permuted_after_loading_and_reloads_stay_right(sglang):
+    r = sglang(cases.case_nvfp4_reload)
+    assert r["permuted_after_load"] and not r["permuted_after_partial"] and r["permuted_after_full"], r
+    assert r["partial_vs_native"] < BF16 and r["full_vs_native"] < BF16, r
+    assert not r["nan"]
+
+
 @pytest.mark.parametrize("kind", ["clamped_interleaved", "clamped_split", "no_combine", "on_input"])
 def test_runner_options_as_sglang_applies_them(sglang, kind):
     r = sglang(cases.case_runner_config, kind)

@@ -1,0 +1,174 @@
+"""K-permuted NVFP4 weights (``pack_nvfp4_weights``): the permutation itself, the in-place repacking, the
+public GEMMs and fused_moe on the CPU path, the Triton kernel in Triton's interpreter, and bad input."""
+
+import os
+
+import pytest
+import torch
+from checks import assert_error_names_argument
+from gemm_cases import contiguous_layout, owned_rows, rel_err
+from nvfp4_cases import FP8, dequantized, nvfp4_weights
+
+import flashinfer_moe as fm
+from flashinfer_moe import reference as ref
+from flashinfer_moe import reference_quant as rq
+from flashinfer_moe.moe import packed_nvfp4
+
+
+def test_permutation_gives_each_wgmma_thread_its_bytes_together():
+    """Stored byte 8 q + 2 c + h of a 32-byte span is plain byte 8 c + 4 h + q: thread q's bytes q and q + 4
+    of each of the four 16-element groups, in group order."""
+    plain = torch.arange(64, dtype=torch.uint8).view(1, 1, 64)
+    stored = fm.pack_nvfp4_weights(plain).data.view(2, 4, 4, 2)  # [span, q, c, h]
+    for span in range(2):
+        for q in range(4):
+            for c in range(4):
+                for h in range(2):
+                    assert stored[span, q, c, h] == 32 * span + 8 * c + 4 * h + q
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 32), (3, 5, 96), (2, 7, 448)])
+def test_pack_unpack_and_in_place_round_trip(rng, shape):
+    seed, g = rng
+    w = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    packed = fm.pack_nvfp4_weights(w)
+    assert packed.shape == shape and packed.dtype == torch.uint8
+    assert not torch.equal(packed.data, w) or shape[2] == 1, seed
+    assert torch.equal(packed.unpack(), w), seed
+    inplace = w.clone()
+    packed_nvfp4.repack_nvfp4_in_place(inplace, pack=True, chunk_experts=2)
+    assert torch.equal(inplace, packed.data), seed
+    packed_nvfp4.repack_nvfp4_in_place(inplace, pack=False, chunk_experts=1)
+    assert torch.equal(inplace, w), seed
+
+
+def test_in_place_failure_restores_the_experts_done(monkeypatch):
+    w = torch.randint(0, 256, (5, 3, 32), dtype=torch.uint8)
+    before = w.clone()
+    real, calls = packed_nvfp4._permute, []
+
+    def failing(x, pack):
+        calls.append(pack)
+        if len(calls) == 3:
+            raise MemoryError("out of memory (simulated)")
+        return real(x, pack)
+
+    monkeypatch.setattr(packed_nvfp4, "_permute", failing)
+    with pytest.raises(MemoryError):
+        packed_nvfp4.repack_nvfp4_in_place(w, pack=True, chunk_experts=2)
+    assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize(
+    "w, exc, name",
+    [
+        (torch.zeros(2, 4, 48, dtype=torch.uint8), ValueError, "w"),  # K = 96, not a multiple of 64
+        (torch.zeros(2, 4, 32, dtype=torch.int8), TypeError, "w"),
+        (torch.zeros(4, 32, dtype=torch.uint8), ValueError, "w"),
+        (torch.zeros(0, 4, 32, dtype=torch.uint8), ValueError, "w"),
+        (fm.pack_nvfp4_weights(torch.zeros(1, 1, 32, dtype=torch.uint8)), TypeError, "w"),
+    ],
+)
+def test_pack_bad_input_names_the_argument(w, exc, name):
+    assert_error_names_argument(lambda: fm.pack_nvfp4_weights(w), exc, name)
+
+
+# ------------------------------------------------------------------------------ public API, CPU path
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_gemms_take_packed_weights(rng, activation):
+    seed, g = rng
+    n, k = 96, 192
+    layout = contiguous_layout([3, 0, 6], 4, "cpu")
+    a = torch.randn(layout.num_rows, k, generator=g).bfloat16()
+    w, s, gs = nvfp4_weights(3, n, k, g, gated=activation is not None)
+    plain = fm.grouped_gemm_nvfp4_contiguous(a, w, s, gs, layout, activation=activation, out_dtype=torch.float32)
+    packed = fm.grouped_gemm_nvfp4_contiguous(
+        a, fm.pack_nvfp4_weights(w), s, gs, layout, activation=activation, out_dtype=torch.float32
+    )
+    owned = owned_rows(layout.tokens_per_expert, layout.expert_offsets, layout.num_rows)
+    assert torch.equal(packed[owned], plain[owned]), seed
+    am = torch.randn(3, 5, k, generator=g).bfloat16()
+    counts = torch.tensor([5, 1, 0], dtype=torch.int32)
+    want = fm.grouped_gemm_nvfp4_masked(am, w, s, gs, counts, activation=activation, out_dtype=torch.float32)
+    got = fm.grouped_gemm_nvfp4_masked(
+        am, fm.pack_nvfp4_weights(w), s, gs, counts, activation=activation, out_dtype=torch.float32
+    )
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1, :1], want[1, :1]), seed
+
+
+def test_fused_moe_takes_packed_weights(rng):
+    seed, g = rng
+    num_experts, top_k, h, inter = 5, 2, 128, 64
+    x = torch.randn(9, h, generator=g).bfloat16()
+    w13, s13, g13 = nvfp4_weights(num_experts, 2 * inter, h, g, gated=True)
+    w2, s2, g2 = nvfp4_weights(num_experts, h, inter, g)
+    weights, ids = fm.route(torch.randn(9, num_experts, generator=g), top_k)
+    kw = dict(quant="nvfp4", w13_scale=s13, w2_scale=s2, w13_global_scale=g13, w2_global_scale=g2)
+    got = fm.fused_moe(x, fm.pack_nvfp4_weights(w13), fm.pack_nvfp4_weights(w2), weights, ids, **kw)
+    want = ref.fused_moe(x, dequantized(w13, s13, g13), dequantized(w2, s2, g2), weights, ids)
+    assert rel_err(got, want) < 2e-2, seed
+    assert torch.equal(got, fm.fused_moe(x, w13, w2, weights, ids, **kw)), seed
+
+
+def test_packed_weights_with_k_not_a_multiple_of_64_are_refused(generator):
+    layout = contiguous_layout([2], 1, "cpu")
+    a = torch.randn(layout.num_rows, 96, generator=generator).bfloat16()
+    w, s, gs = nvfp4_weights(1, 32, 96, generator)
+    fake = fm.PackedNvfp4Weights(w)  # as a checkpoint could hand over, bypassing pack_nvfp4_weights's check
+    assert_error_names_argument(lambda: fm.grouped_gemm_nvfp4_contiguous(a, fake, s, gs, layout), ValueError, "w")
+
+
+# ------------------------------------------------------------------------- the kernel, interpreted
+
+
+@pytest.fixture
+def kernel():
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton interpreter was not selected before the kernel module was imported")
+    from flashinfer_moe.moe import gemm_nvfp4_kernel
+
+    return gemm_nvfp4_kernel
+
+
+def _launch(kernel, a, w, s, gs, out, counts, offsets, act, capacity, **cfg):
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2, GROUP_M=2) | cfg
+    kernel.launch(
+        a, w, s, gs, out, counts, offsets, act=act, alpha=1.702, limit=7.0, capacity=capacity, config=config, kperm=True
+    )
+
+
+def test_kernel_expands_permuted_codes_exactly(kernel, rng):
+    """a = I on K-permuted weights: every code under random E4M3 scales, bit for bit with the reference."""
+    seed, g = rng
+    n, k = 16, 128
+    codes = torch.randint(0, 16, (1, n, k), dtype=torch.uint8, generator=g)
+    codes[0, 0, :16] = torch.arange(16, dtype=torch.uint8)
+    w = rq.pack_nibbles(codes)
+    s = torch.randint(0, 0x7F, (1, n, k // 16), dtype=torch.uint8, generator=g).view(FP8)
+    eye = torch.eye(k, dtype=torch.float16)
+    out = torch.full((k, n), float("nan"))
+    counts, offsets = torch.tensor([k], dtype=torch.int32), torch.tensor([0, k], dtype=torch.int32)
+    packed = fm.pack_nvfp4_weights(w).data
+    _launch(kernel, eye, packed, s, torch.ones(1), out, counts, offsets, 0, 2**31 - 1, BLOCK_M=32, BLOCK_N=16)
+    assert torch.equal(out.t(), rq.dequantize_nvfp4(w, s, 1.0)[0]), seed
+
+
+@pytest.mark.parametrize("act", [0, 1])
+@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("k, block_k", [(192, 128), (128, 64)])  # 192: a last step of one span and zeros
+def test_kernel_permuted_interpreted(rng, kernel, act, swap, k, block_k):
+    seed, g = rng
+    n = 96
+    counts = torch.tensor([5, 0, 11], dtype=torch.int32)
+    offsets = torch.tensor([0, 8, 8, 24], dtype=torch.int32)
+    a = torch.randn(24, k, generator=g).half()
+    w, s, gs = nvfp4_weights(3, n, k, g, gated=act != 0)
+    out = torch.full((24, n // 2 if act else n), float("nan"))
+    packed = fm.pack_nvfp4_weights(w).data
+    _launch(kernel, a, packed, s, gs, out, counts, offsets, act, 2**31 - 1, SWAP_AB=swap, BLOCK_K=block_k)
+    want = ref.grouped_gemm(a, dequantized(w, s, gs), counts, offsets, activation_kind=[None, "silu"][act])
+    owned = owned_rows(counts, offsets, 24)
+    assert rel_err(out[owned], want[owned]) < 1e-5, seed
+    assert out[~owned].isnan().all()
