@@ -27,8 +27,10 @@ from .checkpoint import SafetensorsMapping
 from .comm.agreement import validate_collectively
 from .comm.alltoall import MoEAllToAll
 from .comm.collective import _permute_any
+from .ep_checks import FP8_QUANTS, checked_parts
 from .graphs import ShapeGraphs
-from .layer import BLOCK, QUANTS, MoELayer, _capturing, finite
+from .layer import BLOCK, MoELayer, _capturing
+from .layer_checkpoint import finite
 from .moe import gemm, gemm_nvfp4
 from .moe.fused import fused_moe
 from .moe.layout import moe_align_contiguous
@@ -39,9 +41,7 @@ from .phases import PhaseClock
 
 __all__ = ["EPMoELayer"]
 
-FP8_QUANTS = ("fp8_block", "fp8_tensor")  # the quants whose tokens travel as FP8 rows
 
-MODES = ("auto", "high_throughput", "low_latency")
 PHASES = ("route", "dispatch", "experts", "combine", "shared")
 
 
@@ -143,46 +143,9 @@ class EPMoELayer(nn.Module):
             timeout_s=timeout_s, cuda_graphs=cuda_graphs,
         )  # fmt: skip
 
-        def check():
-            _checks.integer("num_experts", num_experts, 1)
-            if num_experts % self.world_size:
-                raise ValueError(
-                    f"num_experts must be divisible by the group size {self.world_size}, got {num_experts}"
-                )
-            if quant not in QUANTS:
-                raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
-            if quant in FP8_QUANTS and (hidden_size % BLOCK or intermediate_size % BLOCK):
-                raise ValueError(
-                    f"hidden_size and intermediate_size must be multiples of {BLOCK} with quant={quant!r} (FP8 "
-                    f"rows travel with one scale per {BLOCK} channels), got {hidden_size} and {intermediate_size}"
-                )
-            if mode not in MODES:
-                raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-            _checks.integer("max_tokens_per_rank", max_tokens_per_rank, 1)
-            _checks.integer("low_latency_max_tokens", low_latency_max_tokens, 1)
-            _checks.integer("num_shared_experts", num_shared_experts, 0)
-            if shared_intermediate_size is not None:
-                _checks.integer("shared_intermediate_size", shared_intermediate_size, 1)
-                if num_shared_experts == 0:
-                    raise ValueError(
-                        f"shared_intermediate_size needs num_shared_experts > 0, got {shared_intermediate_size}"
-                    )
-            if params_dtype not in (torch.bfloat16, torch.float16):
-                raise TypeError(f"params_dtype must be bfloat16 or float16, got {params_dtype}")
-            # The routed experts: every check of MoELayer's (routing options, activation, dtypes) applies.
-            experts = MoELayer(
-                num_experts // self.world_size, 1, hidden_size, intermediate_size, router=False, quant=quant,
-                activation=activation, alpha=alpha, limit=limit, params_dtype=params_dtype, device=device,
-            )  # fmt: skip
-            routing = MoELayer(
-                num_experts, top_k, hidden_size, 1, router=router, scoring_func=scoring_func,
-                renormalize=renormalize, num_expert_group=num_expert_group, topk_group=topk_group,
-                correction_bias=correction_bias, routed_scaling_factor=routed_scaling_factor,
-                params_dtype=params_dtype, device="meta",
-            )  # fmt: skip
-            return experts, routing
-
-        experts, routing = validate_collectively(group, "EPMoELayer", args, check)
+        experts, routing = validate_collectively(
+            group, "EPMoELayer", args, lambda: checked_parts(self.world_size, device, **args)
+        )
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.experts_per_rank = num_experts // self.world_size

@@ -15,12 +15,12 @@ from torch import nn
 
 from . import _checks, layer_nvfp4
 from .graphs import ShapeGraphs
+from .layer_checkpoint import as_blocks, dense, finite, input_scale, projection
 from .moe.fused import fused_moe
 from .moe.packed import ROWS, PackedFp8BlockWeights, pack_fp8_block_weights, repack_in_place
 from .moe.packed_nvfp4 import PackedNvfp4Weights
-from .moe.quant import FLOATS, FP8, quantize_fp8_block_weights, quantize_fp8_per_tensor
+from .moe.quant import FLOATS, FP8, quantize_fp8_per_tensor
 from .moe.routing import route
-from .reference_quant import dequantize_fp8_block
 
 __all__ = ["MoELayer"]
 
@@ -433,25 +433,23 @@ class MoELayer(nn.Module):
         if self.quant == "nvfp4":
             layer_nvfp4.load(self, weights, prefix, names)
             return
-        loaded = [
-            {p: self._checked(weights, f"{prefix}{name}.{p}.", shapes[p]) for p in _PROJECTIONS} for name in names
-        ]
+        loaded = [{p: projection(weights, f"{prefix}{name}.{p}.", shapes[p]) for p in _PROJECTIONS} for name in names]
         if self.a13_scale is not None:
-            inputs = {p: [self._input_scale(weights, f"{prefix}{name}.{p}.") for name in names] for p in _PROJECTIONS}
+            inputs = {p: [input_scale(weights, f"{prefix}{name}.{p}.") for name in names] for p in _PROJECTIONS}
         device = self.w13.device
         for e, tensors in enumerate(loaded):
             gate, up, down = ([t.to(device) if t is not None else None for t in tensors[p]] for p in _PROJECTIONS)
             if self.quant is None:
-                self.w13[e, :i] = _dense(*gate)
-                self.w13[e, i:] = _dense(*up)
-                self.w2[e] = _dense(*down)
+                self.w13[e, :i] = dense(*gate)
+                self.w13[e, i:] = dense(*up)
+                self.w2[e] = dense(*down)
             elif self.quant == "fp8_block":
                 nb = i // BLOCK  # I is a multiple of 128 here, so gate and up own whole scale rows
-                (q_gate, s_gate), (q_up, s_up) = _as_blocks(*gate), _as_blocks(*up)
+                (q_gate, s_gate), (q_up, s_up) = as_blocks(*gate), as_blocks(*up)
                 # Concatenated as bytes: not every torch build concatenates float8.
                 q13 = torch.cat((q_gate.view(torch.uint8), q_up.view(torch.uint8))).view(FP8)
                 self.w13_scale[e, :nb], self.w13_scale[e, nb:] = s_gate, s_up
-                q2, self.w2_scale[e] = _as_blocks(*down)
+                q2, self.w2_scale[e] = as_blocks(*down)
                 if self.weights_packed:
                     q13 = pack_fp8_block_weights(q13[None], gated=True).data[0]
                     q2 = pack_fp8_block_weights(q2[None]).data[0]
@@ -459,71 +457,8 @@ class MoELayer(nn.Module):
             else:
                 merged = [g[2] for g in (gate, up) if g[2] is not None]
                 scale = max(merged, key=float) if len(merged) == 2 else None
-                self.w13[e], self.w13_scale[e] = quantize_fp8_per_tensor(torch.cat((_dense(*gate), _dense(*up))), scale)
-                self.w2[e], self.w2_scale[e] = quantize_fp8_per_tensor(_dense(*down), down[2])
+                self.w13[e], self.w13_scale[e] = quantize_fp8_per_tensor(torch.cat((dense(*gate), dense(*up))), scale)
+                self.w2[e], self.w2_scale[e] = quantize_fp8_per_tensor(dense(*down), down[2])
         if self.a13_scale is not None:
             self.a13_scale.copy_(torch.stack(inputs["gate_proj"] + inputs["up_proj"]).max())
             self.a2_scale.copy_(torch.stack(inputs["down_proj"]).max())
-
-    @staticmethod
-    def _checked(weights: Mapping[str, torch.Tensor], key: str, shape: tuple[int, int]):
-        """``(weight, weight_scale_inv, weight_scale)`` of one projection, checked; absent scales are None."""
-        w = _checks.tensor(key + "weight", weights[key + "weight"])
-        if tuple(w.shape) != shape:
-            raise ValueError(f"{key}weight must have shape {shape}, got {tuple(w.shape)}")
-        _checks.dtype_in(key + "weight", w, (*FLOATS, FP8))
-        finite(key + "weight", w)
-        block, tensor = weights.get(key + "weight_scale_inv"), weights.get(key + "weight_scale")
-        if w.dtype != FP8:
-            for name, s in (("weight_scale_inv", block), ("weight_scale", tensor)):
-                if s is not None:
-                    raise ValueError(f"{key}{name} must be absent for a {_dtype_name(w.dtype)} weight, got a tensor")
-            return w, None, None
-        if (block is None) == (tensor is None):
-            got = "both" if block is not None else "neither"
-            raise ValueError(
-                f"{key}weight_scale_inv or {key}weight_scale must be given (one) for an FP8 weight, got {got}"
-            )
-        name = key + ("weight_scale_inv" if block is not None else "weight_scale")
-        s = _checks.tensor(name, block if block is not None else tensor)
-        _checks.dtype_in(name, s, FLOATS)
-        expected = (_blocks(shape[0]), _blocks(shape[1])) if block is not None else None
-        if (expected is not None and tuple(s.shape) != expected) or (expected is None and s.numel() != 1):
-            raise ValueError(f"{name} must have shape {expected or '() (one value)'}, got {tuple(s.shape)}")
-        s = finite(name, s.float())
-        return (w, s, None) if block is not None else (w, None, s.reshape(()))
-
-    @staticmethod
-    def _input_scale(weights: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
-        name = key + "input_scale"
-        if name not in weights:
-            raise ValueError(f"{name} must be given for a layer with static activation scales, got no such key")
-        s = _checks.tensor(name, weights[name])
-        _checks.dtype_in(name, s, FLOATS)
-        if s.numel() != 1:
-            raise ValueError(f"{name} must hold one value, got shape {tuple(s.shape)}")
-        return finite(name, s.detach().float().reshape(()).cpu())
-
-
-def finite(name: str, t: torch.Tensor) -> torch.Tensor:
-    """``t``, checked once at load time to hold no inf or NaN (FP8 NaN codes included)."""
-    bad = ~torch.isfinite(t.detach().float() if t.element_size() == 1 else t.detach())
-    if bool(bad.any()):
-        raise ValueError(f"{name} must hold finite values, got {int(bad.sum())} non-finite of {t.numel()}")
-    return t
-
-
-def _dense(w: torch.Tensor, block_scale: torch.Tensor | None, tensor_scale: torch.Tensor | None) -> torch.Tensor:
-    """One projection's weight in fp32 (or its own float dtype), FP8 dequantized with its scale."""
-    if block_scale is not None:
-        return dequantize_fp8_block(w, block_scale)
-    if tensor_scale is not None:
-        return w.float() * tensor_scale
-    return w
-
-
-def _as_blocks(w, block_scale, tensor_scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, weight_scale_inv)`` of one projection: as stored when it is FP8 blocks already, else quantized."""
-    if block_scale is not None:
-        return w, block_scale
-    return quantize_fp8_block_weights(_dense(w, block_scale, tensor_scale))

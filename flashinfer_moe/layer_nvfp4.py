@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import _checks
+from .layer_checkpoint import dense, projection
 from .moe.packed_nvfp4 import K_MULTIPLE as PACK_K_MULTIPLE
 from .moe.packed_nvfp4 import _permute, repack_nvfp4_in_place
 from .moe.quant import FLOATS, FP8, quantize_nvfp4
@@ -62,10 +63,8 @@ def _projection(layer, weights: Mapping[str, torch.Tensor], key: str, shape: tup
     n, k = shape
     w = _checks.tensor(key + "weight", weights[key + "weight"])
     if w.dtype != torch.uint8:
-        from .layer import _dense  # here: layer imports this module
-
-        dense = layer._checked(weights, key, shape)  # the layer's own checks, and FP8 dequantized
-        packed, block, gs = quantize_nvfp4(_dense(*dense).float().to(layer.w13.device))
+        parts = projection(weights, key, shape)  # the layer's own checks, and FP8 dequantized
+        packed, block, gs = quantize_nvfp4(dense(*parts).float().to(layer.w13.device))
         return packed, block, gs.reshape(()).cpu(), None
     if tuple(w.shape) != (n, k // 2):
         raise ValueError(f"{key}weight must have shape {(n, k // 2)} (NVFP4, two codes per byte), got {tuple(w.shape)}")
