@@ -3,7 +3,7 @@ HBM copy ceiling, all in the same run.
 
     python launch/bench_mla.py [--quick] [--pages 64,1] [--caches bf16,fp8] [--sk 4096,varlen] [--heads 16,128]
         [--s-q 1,2] [--no-flashmla] [--no-sdpa] [--markdown FILE] [--json FILE]
-    python launch/bench_mla.py --sweep [--classes 16x1,128x2] [--json FILE]
+    python launch/bench_mla.py --sweep [--tma] [--classes 16x1,128x2] [--json FILE]
 
 Grid (FlashMLA's): batch 128, s_k 4096 / 8192 / 16384 and a varlen batch (lengths uniform in [1, 16384], fixed
 seed), h_q 16 / 32 / 64 / 128, s_q 1 / 2, causal; page 64 and page 1 (pages shuffled over the pool); bf16 cache
@@ -23,12 +23,15 @@ number of bytes: its time and the bytes read / that time).
 
 Everything is timed as medians of CUDA-graph replays (plan + decode in one graph; FlashMLA's metadata and
 combine kernels included). ``--sweep`` times kernel configurations (tokens per tile, warps, stages,
-programs per SM) per (h_q, s_q) class at s_k 8192, page 64, for ``mla/decode.py``'s ``CONFIGS``.
+programs per SM) per (h_q, s_q) class at s_k 8192, page 64, for ``mla/decode.py``'s ``CONFIGS`` (``--tma``: those
+of the TMA tile loads, ``TMA_CONFIGS``). ``--paths old,new`` times each row twice: ``new`` the default dispatch
+(TMA tile loads where the cache's layout allows them), ``old`` the gathered pointer loads forced.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
@@ -108,7 +111,20 @@ def queries(heads: int, s_q: int, gen_seed: int = 0):
     return q_nope, q_pe
 
 
-def time_ours(cache: Cache, q_nope, q_pe, config: dict | None = None) -> float:
+@contextlib.contextmanager
+def forced_path(path: str):
+    """``old``: the gathered pointer loads where the default would take the TMA ones (mla_decode reads
+    ``TMA_CONFIGS`` when it launches, so a graph captured inside keeps the choice); ``new``: the default."""
+    saved = D.TMA_CONFIGS
+    if path == "old":
+        D.TMA_CONFIGS = {}
+    try:
+        yield
+    finally:
+        D.TMA_CONFIGS = saved
+
+
+def time_ours(cache: Cache, q_nope, q_pe, config: dict | None = None, path: str = "new") -> float:
     s_q, heads = q_nope.shape[1], q_nope.shape[2]
     scale = torch.tensor([FP8_SCALE], device=DEV) if cache.kv.dtype == FP8 else None
     out = torch.empty_like(q_nope)
@@ -151,9 +167,11 @@ def time_ours(cache: Cache, q_nope, q_pe, config: dict | None = None) -> float:
                 config["num_warps"],
                 config["num_stages"],
                 config.get("PREFETCH", 0),
+                1 + config.get("SWAP", 0) if config.get("TMA", 0) else 0,
             )
 
-    return time_graph(fn, calls=10, reps=10)
+    with forced_path(path):
+        return time_graph(fn, calls=10, reps=10)
 
 
 def time_flashmla(fm, cache: Cache, q_nope, q_pe) -> float | None:
@@ -334,6 +352,8 @@ def bench(args) -> list[dict]:
     heads_list = [int(h) for h in args.heads.split(",")]
     s_q_list = [int(s) for s in args.s_q.split(",")]
     lengths = args.sk.split(",") if not args.quick else ["4096", "varlen"]
+    paths = args.paths.split(",")
+    print(f"# paths {paths} (the last one's time is the row's)", flush=True)
     if args.sdpa:
         print(f"# torch {torch.__version__}; SDPA on a small case against the float64 reference:", flush=True)
         for case, verdict in sdpa_self_check().items():
@@ -354,7 +374,8 @@ def bench(args) -> list[dict]:
                 copy_us = time_copy(cache.bytes)
                 for heads, s_q in itertools.product(heads_list, s_q_list):
                     q_nope, q_pe = queries(heads, s_q)
-                    us = time_ours(cache, q_nope, q_pe)
+                    path_us = {path: time_ours(cache, q_nope, q_pe, path=path) for path in paths}
+                    us = path_us[paths[-1]]
                     f_us = time_flashmla(fm, cache, q_nope, q_pe)
                     sdpa = time_sdpa(cache, gathered, q_nope, q_pe)
                     s_us = sdpa.get("sdpa_us")
@@ -372,6 +393,7 @@ def bench(args) -> list[dict]:
                         sdpa_us=s_us,
                         copy_us=copy_us,
                         bytes=cache.bytes,
+                        **{f"{path}_us": t for path, t in path_us.items() if len(paths) > 1},
                         **{k: v for k, v in sdpa.items() if k != "sdpa_us"},
                     )
                     row["of_copy"] = copy_us / us
@@ -389,6 +411,13 @@ def bench(args) -> list[dict]:
                         f"{row['tflops']:7.1f} {fmla} {s_col} {copy_us:7.1f} {row['of_copy']:7.2f}  {s_by}",
                         flush=True,
                     )
+                    if len(paths) > 1:
+                        print(
+                            "      paths: "
+                            + ", ".join(f"{p} {t:.1f} us {cache.bytes / t / 1e3:.0f} GB/s" for p, t in path_us.items())
+                            + f"; {paths[0]} / {paths[-1]} = {path_us[paths[0]] / us:.2f}x",
+                            flush=True,
+                        )
                 del cache, gathered
                 torch.cuda.empty_cache()
     return rows
@@ -405,8 +434,24 @@ SWEEP = [
 ]
 
 
+TMA_SWEEP = [
+    dict(TMA=1, SWAP=1, BLOCK_N=64, num_warps=4, num_stages=2),
+    dict(TMA=1, SWAP=1, BLOCK_N=64, num_warps=8, num_stages=2),
+    dict(TMA=1, SWAP=1, BLOCK_N=64, num_warps=4, num_stages=3),
+    dict(TMA=1, SWAP=1, BLOCK_N=32, num_warps=4, num_stages=4),
+    dict(TMA=1, SWAP=0, BLOCK_N=64, num_warps=8, num_stages=2),
+    dict(TMA=1, SWAP=0, BLOCK_N=64, num_warps=4, num_stages=3),
+    dict(TMA=1, SWAP=0, BLOCK_N=32, num_warps=8, num_stages=3),
+]
+
+
 def sweep(args) -> list[dict]:
     classes = [tuple(int(x) for x in c.split("x")) for c in args.classes.split(",")]
+    configs = SWEEP
+    if args.tma:
+        configs = [json.loads(c) for c in args.configs] if args.configs else TMA_SWEEP
+        # The public plan's program count (CONFIGS' programs per SM), which TMA_CONFIGS leaves as it is.
+        configs = [dict(c, ctas_per_sm=c.get("ctas_per_sm", 0)) for c in configs]
     rows = []
     for cache_name in args.caches.split(","):
         dtype = FP8 if cache_name == "fp8" else torch.bfloat16
@@ -414,7 +459,10 @@ def sweep(args) -> list[dict]:
         for heads, s_q in classes:
             q_nope, q_pe = queries(heads, s_q)
             best = None
-            for config in SWEEP:
+            block_m = D.block_m_for(heads * s_q)
+            for config in configs:
+                if not config.get("ctas_per_sm", 1):
+                    config = dict(config, ctas_per_sm=D.CONFIGS[(block_m, False)]["ctas_per_sm"])
                 try:
                     us = time_ours(cache, q_nope, q_pe, config)
                 except Exception as e:  # out of shared memory, registers: the config does not fit
@@ -467,6 +515,9 @@ def main() -> int:
     parser.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--sweep", action="store_true", help="time kernel configurations instead of the grid")
     parser.add_argument("--classes", default="16x1,16x2,64x1,128x2", help="sweep: h_q x s_q classes")
+    parser.add_argument("--tma", action="store_true", help="sweep: the TMA tile-load configurations")
+    parser.add_argument("--configs", nargs="*", help="sweep --tma: configurations as JSON objects instead")
+    parser.add_argument("--paths", default="new", help="old (gathered loads forced) and/or new (default dispatch)")
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

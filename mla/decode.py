@@ -25,9 +25,12 @@ from flashinfer_moe import _checks
 from flashinfer_moe import reference_mla as ref
 from flashinfer_moe._ops import LIB, on_device
 
+from .decode_configs import CONFIGS, TMA_CONFIGS, tma_layout
+
 __all__ = ["MLADecodePlan", "mla_decode", "mla_decode_plan"]
 
 FP8 = torch.float8_e4m3fn
+
 Q_DTYPES = (torch.bfloat16, torch.float16)
 PAGE_SIZES = (1, 16, 32, 64, 128)
 MAX_S_Q = 8
@@ -35,28 +38,12 @@ D_LATENT, D_ROPE = ref.LATENT, ref.ROPE
 UNIT, OVERHEAD = 64, 2  # the schedule's cost model (mla/plan_kernel.py)
 CPU_NUM_SMS = 8  # the schedule's program count where there are no SMs (the CPU path ignores it)
 
-# Kernel configuration per row block (``BLOCK_M`` (new token, head) rows per program): tokens per tile, warps,
-# pipeline stages, programs per SM that the schedule plans for (read from the bf16 entry for both caches), and
-# PREFETCH (the next tile's loads issued before this tile's math). From launch/bench_mla.py --sweep on an H200
-# (s_k 8192, page 64): 64-token tiles are 1.3-1.5x faster than 32 everywhere (stages 2-4 time the same: the
-# gathered loads are not overlapped by Triton's pipelining, so bytes in flight come from tile size and CTAs);
-# 16 rows: two 4-warp programs per SM; 32 rows: the register double buffer (1.15x); 64 rows: neither (both
-# spill the `[64, 512]` accumulator).
-CONFIGS: dict[tuple[int, bool], dict[str, int]] = {
-    (16, False): dict(BLOCK_N=64, num_warps=4, num_stages=2, ctas_per_sm=2, PREFETCH=0),
-    (32, False): dict(BLOCK_N=64, num_warps=8, num_stages=1, ctas_per_sm=1, PREFETCH=1),
-    (64, False): dict(BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, PREFETCH=0),
-    (16, True): dict(BLOCK_N=64, num_warps=4, num_stages=2, ctas_per_sm=2, PREFETCH=0),
-    (32, True): dict(BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, PREFETCH=0),
-    (64, True): dict(BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, PREFETCH=0),
-}
-
 LIB.define("mla_decode_plan_(Tensor seq_lens, Tensor(a!) sched, int num_programs) -> ()")
 LIB.define(
     "mla_decode_(Tensor q_nope, Tensor q_pe, Tensor ckv, Tensor kpe, Tensor block_table, Tensor seq_lens, "
     "Tensor sched, Tensor(a!) part_out, Tensor(b!) part_lse, Tensor(c!) out, Tensor(d!)? lse, float sm_scale, "
     "Tensor? kv_scale_tensor, float kv_scale, bool causal, int num_programs, int block_m, int block_n, "
-    "int num_warps, int num_stages, int prefetch) -> ()"
+    "int num_warps, int num_stages, int prefetch, int tma=0) -> ()"
 )
 
 
@@ -104,6 +91,7 @@ def _decode_cpu(
     num_warps,
     num_stages,
     prefetch,
+    tma=0,
 ):
     scale = float(kv_scale_tensor.reshape(())) if kv_scale_tensor is not None else kv_scale
     o, s = ref.mla_decode(
@@ -145,10 +133,19 @@ def _decode_cuda(
     num_warps,
     num_stages,
     prefetch,
+    tma=0,
 ):
     from . import decode_kernel
 
-    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, PREFETCH=prefetch)
+    config = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        PREFETCH=prefetch,
+        TMA=tma > 0,
+        SWAP=tma == 2,
+    )
     scale = kv_scale_tensor if kv_scale_tensor is not None else kv_scale
     with _on(q_nope):
         decode_kernel.launch_decode(
@@ -499,7 +496,9 @@ def mla_decode(
             f"plan must be for (B, s_q, num_heads, device) = {(batch, s_q, heads, q_nope.device)}, "
             f"got {(plan.batch, plan.s_q, plan.num_heads, plan.device)}"
         )
-    config = CONFIGS[(plan.block_m, ckv.dtype == FP8)]
+    key = (plan.block_m, ckv.dtype == FP8)
+    tma = key in TMA_CONFIGS and tma_layout(ckv, kpe, TMA_CONFIGS[key]["BLOCK_N"])
+    config = dict(CONFIGS[key], PREFETCH=0, **TMA_CONFIGS[key]) if tma else CONFIGS[key]
     _decode_op(
         q_nope,
         q_pe,
@@ -522,5 +521,6 @@ def mla_decode(
         config["num_warps"],
         config["num_stages"],
         config["PREFETCH"],
+        1 + config["SWAP"] if tma else 0,
     )
     return (out, lse) if lse is not None else out

@@ -8,7 +8,8 @@ program (grid axis 0, varying fastest, so the row blocks that read the same page
 them in L2); columns are ``BLOCK_N`` cached tokens, each token's page found in the block table (which makes
 page size 1 the same code as page 64). Scores are ``q_nope . ckv + q_pe . kpe`` on tensor cores, the online
 softmax in base 2, the values the first 512 columns of the same tile. FP8 pages are widened to the query
-dtype in registers after the load; their scale multiplies the scores and the output instead.
+dtype in registers after the load; their scale multiplies the scores and the output instead. Where the pages
+hold whole tiles in a contiguous pool (``TMA``), a piece's tiles come by TMA instead (``mla/decode_tma.py``).
 
 Imported only where a kernel is launched (never on the CPU path), so that ``TRITON_INTERPRET=1`` can be set
 before the first import to run the kernels on CPU tensors.
@@ -21,6 +22,7 @@ import os
 import triton
 import triton.language as tl
 
+from .decode_tma import attend_tma, descriptors
 from .plan_kernel import OVERHEAD, UNIT
 
 D_LATENT = 512
@@ -129,6 +131,8 @@ def _decode_kernel(
     qp_ptr,
     ckv_ptr,
     kpe_ptr,
+    ckv_desc,
+    kpe_desc,
     bt_ptr,
     lens_ptr,
     sched_ptr,
@@ -172,6 +176,8 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     PREFETCH: tl.constexpr,
     MIXED: tl.constexpr,
+    TMA: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     mb = tl.program_id(0)
     p = tl.program_id(1)
@@ -218,11 +224,6 @@ def _decode_kernel(
         tok_hi = tl.minimum(tl.maximum(piece_end - seq_start - _OVERHEAD, 0) * _UNIT, length)
 
         b64 = b.to(tl.int64)
-        qn = tl.load(qn_ptr + b64 * stride_qn_b + qn_rows[:, None] + dl[None, :], mask=row_ok[:, None], other=0.0)
-        qp = tl.load(qp_ptr + b64 * stride_qp_b + qp_rows[:, None] + dr[None, :], mask=row_ok[:, None], other=0.0)
-        if UPCAST:
-            qn = qn.to(tl.float32)
-            qp = qp.to(tl.float32)
         bt_row = bt_ptr + b64 * stride_bt
         if CAUSAL:
             vis_min = length - S_Q + 1
@@ -230,36 +231,83 @@ def _decode_kernel(
         else:
             vis_min = length
             row_vis = tl.zeros([BLOCK_M], dtype=tl.int32) + length
-        acc = tl.zeros([BLOCK_M, _DL], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         # Tiles every row sees whole need no mask; the rest (the causal diagonal, the tail) do.
         safe = tok_lo + tl.maximum(tl.minimum(tok_hi, vis_min) - tok_lo, 0) // BLOCK_N * BLOCK_N
-        if PREFETCH:
-            # The next tile's loads are issued before this tile's math (a register double buffer): the
-            # compiler's own pipelining does not cover the FP8 widening, and more bytes stay in flight. The
-            # last iteration reloads its own tile (in bounds) rather than masking.
-            if safe > tok_lo:
-                ckv_t, kpe_t = _load_tile(
-                    ckv_ptr,
-                    kpe_ptr,
-                    bt_row,
-                    tok_lo,
-                    tok_hi,
-                    stride_ckv_p,
-                    stride_ckv_t,
-                    stride_kpe_p,
-                    stride_kpe_t,
-                    PAGE,
-                    BLOCK_N,
-                    False,
-                )
-                for t in range(tok_lo, safe, BLOCK_N):
-                    ckv_n, kpe_n = _load_tile(
+        if TMA:
+            acc, m_i, l_i = attend_tma(
+                qn_ptr + b64 * stride_qn_b + qn_rows, qp_ptr + b64 * stride_qp_b + qp_rows, row_ok, ckv_desc,
+                kpe_desc, ckv_ptr, kpe_ptr, stride_ckv_t, stride_kpe_t, bt_row, tok_lo, safe, tok_hi, row_vis,
+                nope_scale, pe_scale, PAGE, BLOCK_M, BLOCK_N, MIXED, UPCAST, SWAP,
+            )  # fmt: skip
+        else:
+            qn = tl.load(qn_ptr + b64 * stride_qn_b + qn_rows[:, None] + dl[None, :], mask=row_ok[:, None], other=0.0)
+            qp = tl.load(qp_ptr + b64 * stride_qp_b + qp_rows[:, None] + dr[None, :], mask=row_ok[:, None], other=0.0)
+            if UPCAST:
+                qn = qn.to(tl.float32)
+                qp = qp.to(tl.float32)
+            acc = tl.zeros([BLOCK_M, _DL], dtype=tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            if PREFETCH:
+                # The next tile's loads are issued before this tile's math (a register double buffer): the
+                # compiler's own pipelining does not cover the FP8 widening, and more bytes stay in flight. The
+                # last iteration reloads its own tile (in bounds) rather than masking.
+                if safe > tok_lo:
+                    ckv_t, kpe_t = _load_tile(
                         ckv_ptr,
                         kpe_ptr,
                         bt_row,
-                        tl.minimum(t + BLOCK_N, safe - BLOCK_N),
+                        tok_lo,
+                        tok_hi,
+                        stride_ckv_p,
+                        stride_ckv_t,
+                        stride_kpe_p,
+                        stride_kpe_t,
+                        PAGE,
+                        BLOCK_N,
+                        False,
+                    )
+                    for t in range(tok_lo, safe, BLOCK_N):
+                        ckv_n, kpe_n = _load_tile(
+                            ckv_ptr,
+                            kpe_ptr,
+                            bt_row,
+                            tl.minimum(t + BLOCK_N, safe - BLOCK_N),
+                            tok_hi,
+                            stride_ckv_p,
+                            stride_ckv_t,
+                            stride_kpe_p,
+                            stride_kpe_t,
+                            PAGE,
+                            BLOCK_N,
+                            False,
+                        )
+                        acc, m_i, l_i = _fold(
+                            acc,
+                            m_i,
+                            l_i,
+                            qn,
+                            qp,
+                            ckv_t,
+                            kpe_t,
+                            t,
+                            tok_hi,
+                            row_vis,
+                            nope_scale,
+                            pe_scale,
+                            BLOCK_N,
+                            False,
+                            MIXED,
+                            UPCAST,
+                        )
+                        ckv_t, kpe_t = ckv_n, kpe_n
+            else:
+                for t in range(tok_lo, safe, BLOCK_N):
+                    ckv_t, kpe_t = _load_tile(
+                        ckv_ptr,
+                        kpe_ptr,
+                        bt_row,
+                        t,
                         tok_hi,
                         stride_ckv_p,
                         stride_ckv_t,
@@ -287,9 +335,7 @@ def _decode_kernel(
                         MIXED,
                         UPCAST,
                     )
-                    ckv_t, kpe_t = ckv_n, kpe_n
-        else:
-            for t in range(tok_lo, safe, BLOCK_N):
+            for t in range(safe, tok_hi, BLOCK_N):
                 ckv_t, kpe_t = _load_tile(
                     ckv_ptr,
                     kpe_ptr,
@@ -302,7 +348,7 @@ def _decode_kernel(
                     stride_kpe_t,
                     PAGE,
                     BLOCK_N,
-                    False,
+                    True,
                 )
                 acc, m_i, l_i = _fold(
                     acc,
@@ -318,43 +364,10 @@ def _decode_kernel(
                     nope_scale,
                     pe_scale,
                     BLOCK_N,
-                    False,
+                    True,
                     MIXED,
                     UPCAST,
                 )
-        for t in range(safe, tok_hi, BLOCK_N):
-            ckv_t, kpe_t = _load_tile(
-                ckv_ptr,
-                kpe_ptr,
-                bt_row,
-                t,
-                tok_hi,
-                stride_ckv_p,
-                stride_ckv_t,
-                stride_kpe_p,
-                stride_kpe_t,
-                PAGE,
-                BLOCK_N,
-                True,
-            )
-            acc, m_i, l_i = _fold(
-                acc,
-                m_i,
-                l_i,
-                qn,
-                qp,
-                ckv_t,
-                kpe_t,
-                t,
-                tok_hi,
-                row_vis,
-                nope_scale,
-                pe_scale,
-                BLOCK_N,
-                True,
-                MIXED,
-                UPCAST,
-            )
         seen = l_i > 0.0
         o = acc * (out_scale / tl.where(seen, l_i, 1.0))[:, None]
         lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
@@ -443,8 +456,11 @@ def launch_decode(
 ) -> None:
     """Attention then combine. ``ckv`` `[P, page, 512 or 576]`; ``kpe`` `[P, page, 64]` (a view of ``ckv``'s
     last 64 columns for the one-tensor layout); ``kv_scale`` a float or a 1-element fp32 tensor; ``lse`` may be
-    None. Shapes and dtypes arrive checked."""
+    None; ``config["TMA"]``: the TMA loads (``mla/decode_tma.py``) where the layout allows them. Shapes and dtypes
+    arrive checked."""
     import torch
+
+    from .decode import tma_layout
 
     batch, s_q, heads, _ = q_nope.shape
     rows = s_q * heads
@@ -454,12 +470,15 @@ def launch_decode(
     upcast = INTERPRET and q_nope.dtype == torch.bfloat16
     lse_arg = lse if lse is not None else part_lse
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+    block_n = config["BLOCK_N"]
+    tma = bool(config.get("TMA", 0)) and tma_layout(ckv, kpe, block_n)
     grid = (triton.cdiv(rows, block_m), num_programs)
     _decode_kernel[grid](
         q_nope,
         q_pe,
         ckv,
         kpe,
+        *(descriptors(ckv, kpe, block_n) if tma else (ckv, kpe)),
         block_table,
         seq_lens,
         sched,
@@ -486,15 +505,17 @@ def launch_decode(
         *lse_strides,
         PAGE=ckv.shape[1],
         BLOCK_M=block_m,
-        BLOCK_N=config["BLOCK_N"],
+        BLOCK_N=block_n,
         CAUSAL=causal,
         KV_FP8=ckv.dtype == fp8,
         KPE_FP8=kpe.dtype == fp8,
         SCALE_PTR=scale_is_tensor,
         HAS_LSE=lse is not None,
         UPCAST=upcast,
-        PREFETCH=bool(config.get("PREFETCH", 0)),
+        PREFETCH=bool(config.get("PREFETCH", 0)) and not tma,
         MIXED=ckv.dtype == fp8 and kpe.dtype != fp8,
+        TMA=tma,
+        SWAP=tma and bool(config.get("SWAP", 0)),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )

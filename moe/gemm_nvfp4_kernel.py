@@ -6,9 +6,9 @@ from TMA loads that the compiler pipelines ``num_stages`` deep in shared memory 
 of the expansion), expands the bytes with their E4M3 block scales `[BLOCK_N, BLOCK_K / 16]` in registers to the
 activations' dtype (bf16 on a GPU: a ``prmt`` table lookup in inline PTX, about 2 instructions per
 weight), and feeds the tensor cores with ``tl.dot`` (wgmma on Hopper, overlapped with the next step's
-expansion). The expansion is exact: an E2M1 value times an E4M3 scale has
-at most 5 significant bits and lies in ``[2**-10, 2688]``, inside bf16 and fp16 alike. The fp32 global scale
-(one per expert, or one per gate/up half for GEMM1) multiplies the fp32 accumulator once, in the epilogue.
+expansion). The expansion is exact: an E2M1 value times an E4M3 scale has at most 6 significant bits
+(1.5 x 1.875 = 10.1101b) and lies in ``[2**-10, 2688]``, inside bf16 and fp16 alike. The fp32 global scale (one
+per expert, or one per gate/up half for GEMM1) multiplies the fp32 accumulator once, in the epilogue.
 
 With ``SWAP_AB`` the product is computed transposed, ``acc[n, m] = sum_k W[n, k] A[m, k]``: the expanded
 weights are then the left operand, which wgmma reads from registers (no shared-memory round trip for them),
@@ -45,7 +45,7 @@ _E2M1_FP16_BIAS = tl.constexpr(16384.0)
 # from two 8-byte tables (bf16 of 0, .5, 1, 1.5, 2, 3, 4, 6: 0000 3F00 3F80 3FC0 4000 4040 4080 40C0); the
 # sign bits are replicated to whole bytes by prmt's sign mode (from x and x << 4) and or-ed into the high bytes;
 # two more prmt interleave low and high bytes into pairs. 15 integer instructions and 4 bf16x2 multiplies per
-# 8 weights, all exact (the products have at most 5 significant bits).
+# 8 weights, all exact (the products have at most 6 significant bits, bf16 holds 8).
 _PRMT_ASM = tl.constexpr("""
 {
 .reg .b32 xm, xh, xs, l01, h01, l23, h23, s01, s23, tl0, tl1, th0, th1;

@@ -466,3 +466,60 @@ def test_plan_bad_input_and_mismatch():
 
     assert_error_names_argument(call, ValueError, "plan")
     assert D.mla_decode_plan(lens, 1, 16, max_splits=3).num_programs <= 3
+
+
+# ----------------------------------------------------------------------------------- TMA tile loads
+
+
+# (lens, s_q, heads, page, q dtype, cache dtype, split layout, rope dtype): 16-, 32- and 64-row blocks
+# (transposed products for the first two), pages 64 and 128, FP8 pages with a bf16 rope.
+TMA_CASES = {
+    "rows16-page64": ([1, 63, 64, 65, 200], 2, 3, 64, torch.bfloat16, torch.bfloat16, False, None),
+    "rows32-page128-split": ([0, 63, 129, 260], 2, 9, 128, torch.float16, torch.float16, True, None),
+    "rows64-page64": ([1, 64, 130], 2, 20, 64, torch.float16, torch.float16, False, None),
+    "rows16-fp8-bf16rope": ([2, 64, 65, 140], 1, 3, 64, torch.bfloat16, FP8, True, torch.bfloat16),
+    "rows64-fp8-page128": ([5, 128, 300], 1, 33, 128, torch.bfloat16, FP8, False, None),
+}
+
+
+@pytest.mark.parametrize("path", ["tma", "gathered"])
+@pytest.mark.parametrize("name", list(TMA_CASES))
+def test_decode_tma_tiles_interpreted(rng, interpreted, monkeypatch, name, path):
+    """Pages of at least a tile in a contiguous pool take the TMA tile loads (``mla/decode_tma.py``, emulated
+    by the interpreter; forced for FP8 pages); the gathered loads, forced, on the same cases."""
+    from flashinfer_moe.mla import decode_kernel
+
+    lens, s_q, heads, page, q_dtype, cache_dtype, split, kpe_dtype = TMA_CASES[name]
+    seed, g = rng
+    case = make_case(g, lens, s_q, heads, page, q_dtype, cache_dtype, split=split, kpe_dtype=kpe_dtype)
+    taken = []
+    descriptors = decode_kernel.descriptors
+    monkeypatch.setattr(decode_kernel, "descriptors", lambda *a: taken.append(a[2]) or descriptors(*a))
+    if path == "gathered":
+        monkeypatch.setattr(D, "TMA_CONFIGS", {})
+    else:  # FP8 pages, which the default keeps on the gathered loads, with the bf16 configuration
+        block_m = D.block_m_for(s_q * heads)
+        monkeypatch.setitem(D.TMA_CONFIGS, (block_m, cache_dtype == FP8), D.TMA_CONFIGS[(block_m, False)])
+    out, lse = run_decode(case, 0.1, scale_tensor=split)
+    assert_close(out, lse, *reference(case, 0.1), q_dtype, f"{name} {path} seed {seed}")
+    assert bool(taken) == (path == "tma"), taken
+
+
+def test_tma_layout():
+    """Pages of at least a tile, contiguous in a token-major pool (also one layer of an interleaved pool, and
+    the rope view of the one-tensor layout), 16-byte aligned: TMA; page-strided pools, misaligned bases, small
+    pages: the gathered loads."""
+    pool = torch.zeros(6, 64, 3, 576, dtype=torch.bfloat16)
+    layer = pool[:, :, 1]
+    assert D.tma_layout(layer, layer[..., 512:], 64)
+    assert D.tma_layout(layer, layer[..., 512:], 32)
+    split = torch.zeros(6, 128, 512, dtype=FP8), torch.zeros(6, 128, 64, dtype=torch.bfloat16)
+    assert D.tma_layout(*split, 64)
+    small = torch.zeros(6, 32, 576, dtype=torch.bfloat16)
+    assert not D.tma_layout(small, small[..., 512:], 64)
+    by_page = torch.zeros(6, 2, 64, 576, dtype=torch.bfloat16)[:, 1]  # [P, layers, page, W]: pages apart
+    assert not D.tma_layout(by_page, by_page[..., 512:], 64)
+    flat = torch.zeros(6 * 64 * 576 + 1, dtype=torch.bfloat16)[1:].view(6, 64, 576)
+    assert not D.tma_layout(flat, flat[..., 512:], 64)
+    odd_rope = torch.zeros(6, 64, 512, dtype=torch.bfloat16), torch.zeros(6, 64, 65, dtype=torch.bfloat16)[..., 1:]
+    assert not D.tma_layout(*odd_rope, 64)  # rope rows 130 bytes apart

@@ -152,3 +152,112 @@ def test_reference_runs_on_device():
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x.cpu(), y, rtol=1e-9, atol=1e-9)
     assert ref.LATENT == 512
+
+
+# ------------------------------------------------------------------------------------- TMA tile loads
+
+
+def _old_path(monkeypatch):
+    """The gathered pointer loads forced where the layout would take the TMA ones."""
+    monkeypatch.setattr(D, "TMA_CONFIGS", {})
+
+
+def _two_paths(case, monkeypatch, **kw):
+    """``(new, old)``: the TMA loads (FP8 pages, which the default keeps on the gathered loads, forced with the
+    bf16 configuration) and the gathered loads."""
+    ckv, kpe = D._caches(case["kv_cache"], case["kpe_cache"], case["q_nope"])
+    block_m = D.block_m_for(case["q_nope"].shape[1] * case["q_nope"].shape[2])
+    monkeypatch.setitem(D.TMA_CONFIGS, (block_m, ckv.dtype == FP8), D.TMA_CONFIGS[(block_m, False)])
+    assert D.tma_layout(ckv, kpe, D.TMA_CONFIGS[(block_m, False)]["BLOCK_N"]), "the case must take the TMA path"
+    new = run_decode(case, SM_SCALE, num_sms=None, **kw)
+    with monkeypatch.context() as m:
+        _old_path(m)
+        old = run_decode(case, SM_SCALE, num_sms=None, **kw)
+    return new, old
+
+
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("layout", ["one-tensor", "two-tensor"])
+def test_tma_tiles_full_mix(rng, monkeypatch, page, s_q, heads, layout):
+    """The TMA tile loads (transposed products for 16 heads, plain ones for 128) on the full length mix, both
+    cache layouts, against float64; the gathered path on the same case too."""
+    seed, g = rng
+    case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, torch.bfloat16, split=layout == "two-tensor", device=DEV)
+    want = reference(case, SM_SCALE, device=DEV)
+    (out, lse), (old_out, old_lse) = _two_paths(case, monkeypatch)
+    assert_close(out, lse, *want, torch.bfloat16, f"tma, seed {seed}")
+    assert_close(old_out, old_lse, *want, torch.bfloat16, f"gathered, seed {seed}")
+
+
+@pytest.mark.parametrize("heads, s_q", [(16, 1), (16, 2), (32, 1), (128, 1), (64, 2), (3, 5)])
+@pytest.mark.parametrize("cache", ["fp8", "fp8-bf16rope", "fp16"])
+def test_tma_tiles_fp8_fp16_and_row_blocks(rng, monkeypatch, heads, s_q, cache):
+    """FP8 pages (one tensor; latent with a bf16 rope; TMA forced), fp16, every row block (16, 32, 64 rows)."""
+    seed, g = rng
+    q_dtype = torch.float16 if cache == "fp16" else torch.bfloat16
+    cache_dtype = FP8 if cache.startswith("fp8") else q_dtype
+    split = cache == "fp8-bf16rope"
+    case = make_case(
+        g, [1, 63, 64, 65, 700, 4097], s_q, heads, 64, q_dtype, cache_dtype, split=split,
+        kpe_dtype=torch.bfloat16 if split else None, device=DEV,
+    )  # fmt: skip
+    want = reference(case, SM_SCALE, device=DEV)
+    (out, lse), (old_out, old_lse) = _two_paths(case, monkeypatch, scale_tensor=split)
+    assert_close(out, lse, *want, q_dtype, f"tma, seed {seed}")
+    assert_close(old_out, old_lse, *want, q_dtype, f"gathered, seed {seed}")
+
+
+def test_tma_refused_layouts_still_decode(rng):
+    """A page-strided pool (one layer's pages interleaved with another's) and a misaligned base, page 64: the
+    gathered loads, against float64."""
+    seed, g = rng
+    case = make_case(g, [1, 64, 65, 3000], 2, 16, 64, torch.bfloat16, torch.bfloat16, device=DEV)
+    kv = case["kv_cache"]
+    pool = torch.full((kv.shape[0], 2, 64, 576), float("nan"), dtype=kv.dtype, device=DEV)
+    pool[:, 1] = kv
+    flat = torch.full((kv.numel() + 1,), float("nan"), dtype=kv.dtype, device=DEV)
+    flat[1:] = kv.reshape(-1)
+    for name, cache in (("page-strided", pool[:, 1]), ("misaligned", flat[1:].view(kv.shape))):
+        assert not D.tma_layout(cache, cache[..., 512:], 64), name
+        out, lse = run_decode(dict(case, kv_cache=cache), SM_SCALE, num_sms=None)
+        assert_close(out, lse, *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"{name}, seed {seed}")
+
+
+@pytest.mark.parametrize("cache, heads, split", [("bf16", 16, False), ("bf16", 128, True), ("fp16", 32, True)])
+def test_tma_cuda_graph_replays_with_new_lengths(rng, cache, heads, split):
+    """Plan + decode captured once, the TMA path (descriptors baked into the graph), replayed with new lengths."""
+    seed, g = rng
+    dtype = torch.float16 if cache == "fp16" else torch.bfloat16
+    case = make_case(g, GRAPH_CAPACITY, 1, heads, 64, dtype, dtype, split=split, device=DEV)
+    ckv, kpe = D._caches(case["kv_cache"], case["kpe_cache"], case["q_nope"])
+    assert D.tma_layout(ckv, kpe, 64)
+    seq_lens = case["seq_lens"]
+    q = case["q_nope"]
+    plan = D.mla_decode_plan(seq_lens, 1, heads)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=DEV)
+
+    def step():
+        D.mla_decode_plan(seq_lens, 1, heads, out=plan)
+        D.mla_decode(
+            q, case["q_pe"], case["kv_cache"], case["block_table"], seq_lens, SM_SCALE, kpe_cache=case["kpe_cache"],
+            plan=plan, out=out, lse=lse,
+        )  # fmt: skip
+
+    step()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for lens in GRAPH_REPLAYS:
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, lse, *reference(case, SM_SCALE, device=DEV), dtype, f"lens {lens} seed {seed}")
