@@ -14,8 +14,8 @@ from flashinfer_moe import reference_mla as ref
 from flashinfer_moe.mla import decode as D
 
 FP8 = torch.float8_e4m3fn
-# Output tolerance (absolute, on outputs of magnitude ~1) per query dtype: the output's rounding plus, on a
-# GPU, the probabilities rounded to the query dtype before P . V.
+# Output tolerance per query dtype, on the largest error over max(1, the largest |output|): the output's rounding
+# plus, on a GPU, the probabilities rounded to the query dtype before P . V.
 OUT_TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 LSE_TOL = 2e-4
 
@@ -109,8 +109,10 @@ def reference(case, sm_scale, causal=True, device="cpu"):
 def assert_close(out, lse, want_out, want_lse, q_dtype, what):
     out, lse = out.double().to(want_out.device), lse.double().to(want_out.device)
     assert not out.isnan().any(), f"{what}: NaN in out"
+    # Relative to the output's size: rounding the output alone to bf16 costs half an ulp, 0.016 at |out| in [4, 8).
+    scale = max(1.0, want_out.abs().max().item())
     err = (out - want_out).abs().max().item()
-    assert err < OUT_TOL[q_dtype], f"{what}: out error {err}"
+    assert err < OUT_TOL[q_dtype] * scale, f"{what}: out error {err} (max |out| {scale:.3g})"
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)), f"{what}: -inf LSEs differ"
     seen = ~torch.isneginf(want_lse)
     assert (out[~seen] == 0).all(), f"{what}: a query that sees nothing must give 0"
