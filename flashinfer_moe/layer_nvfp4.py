@@ -20,7 +20,7 @@ from torch import nn
 from . import _checks
 from .layer_checkpoint import dense, projection
 from .moe.packed_nvfp4 import K_MULTIPLE as PACK_K_MULTIPLE
-from .moe.packed_nvfp4 import _permute, repack_nvfp4_in_place
+from .moe.packed_nvfp4 import _permute, repack_nvfp4_experts_in_place
 from .moe.quant import FLOATS, FP8, quantize_nvfp4
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -143,12 +143,7 @@ def repack(layer: nn.Module, pack: bool) -> None:
     (one row of 32 bytes per permuted span): a packed ``state_dict`` then loads only into a packed layer, and
     a plain one only into a plain layer, instead of either being read in the other byte order."""
     w13, w2 = _plain(layer.w13.data), _plain(layer.w2.data)
-    repack_nvfp4_in_place(w13, pack=pack)
-    try:
-        repack_nvfp4_in_place(w2, pack=pack)
-    except BaseException:
-        repack_nvfp4_in_place(w13, pack=not pack)
-        raise
+    repack_nvfp4_experts_in_place(w13, w2, pack=pack)
     for name, w in (("w13", w13), ("w2", w2)):
         shaped = w.view(*w.shape[:2], -1, PACK_K_MULTIPLE // 2) if pack else w
         setattr(layer, name, nn.Parameter(shaped, requires_grad=False))

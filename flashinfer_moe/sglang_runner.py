@@ -20,7 +20,8 @@ from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 from sglang.srt.utils import is_cuda
 
 from flashinfer_moe.moe.fused import fused_moe
-from flashinfer_moe.moe.packed_nvfp4 import PackedNvfp4Weights, repack_nvfp4_in_place
+from flashinfer_moe.moe.packed_nvfp4 import K_MULTIPLE as NVFP4_K_MULTIPLE
+from flashinfer_moe.moe.packed_nvfp4 import PackedNvfp4Weights, repack_nvfp4_experts_in_place
 
 BACKEND = "flashinfer_moe"
 SCALE_BLOCK = 128  # the only FP8 weight block (DeepSeek-V3's 128 x 128) our kernels take
@@ -147,7 +148,7 @@ def split_interleaved_w13_(w13: torch.Tensor) -> None:
         w.copy_(torch.cat((w[0::2], w[1::2])))
 
 
-# Set on a layer whose NVFP4 weights are K-permuted in place (its quant method's Takeover is shared, frozen).
+# Set on a layer whose NVFP4 weights are K-permuted in place (the quant method's Takeover is frozen).
 K_PERMUTED = "_flashinfer_moe_k_permuted"
 
 
@@ -156,14 +157,10 @@ def k_permute_nvfp4_(layer: torch.nn.Module, pack: bool = True) -> None:
     kernel (measured faster at every size but 64 rows per expert, docs/perf.md), or restores the checkpoint's
     byte order; a no-op where the layer is already so, or where H or I is not a multiple of 64 (left plain)."""
     w13, w2 = layer.w13_weight.data, layer.w2_weight.data
-    if getattr(layer, K_PERMUTED, False) == pack or w13.shape[2] % 32 or w2.shape[2] % 32:
+    span = NVFP4_K_MULTIPLE // 2  # bytes
+    if getattr(layer, K_PERMUTED, False) == pack or w13.shape[2] % span or w2.shape[2] % span:
         return
-    repack_nvfp4_in_place(w13, pack=pack)
-    try:
-        repack_nvfp4_in_place(w2, pack=pack)
-    except BaseException:
-        repack_nvfp4_in_place(w13, pack=not pack)
-        raise
+    repack_nvfp4_experts_in_place(w13, w2, pack=pack)
     setattr(layer, K_PERMUTED, pack)
 
 

@@ -126,3 +126,14 @@ def repack_nvfp4_in_place(w: torch.Tensor, *, pack: bool, chunk_experts: int = 1
             part = w[e0 : min(e0 + chunk_experts, done)]
             part.copy_(_permute(part, pack=not pack))
         raise
+
+
+def repack_nvfp4_experts_in_place(w13: torch.Tensor, w2: torch.Tensor, *, pack: bool) -> None:
+    """:func:`repack_nvfp4_in_place` on a layer's two weights; if ``w2`` fails, ``w13`` is put back, so the
+    layer is never half converted."""
+    repack_nvfp4_in_place(w13, pack=pack)
+    try:
+        repack_nvfp4_in_place(w2, pack=pack)
+    except BaseException:
+        repack_nvfp4_in_place(w13, pack=not pack)
+        raise
