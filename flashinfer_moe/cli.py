@@ -15,6 +15,7 @@ KERNEL_MODULES = (
     "flashinfer_moe.moe.routing",
     "flashinfer_moe.moe._kernels",
     "flashinfer_moe.moe.gemm_sm90",
+    "flashinfer_moe.moe.gemm_nvfp4_sm90",
     "flashinfer_moe.comm.p2p_check",
     "flashinfer_moe.comm._kernels",
     "flashinfer_moe.mla.append",

@@ -16,7 +16,9 @@ Tables:
 checks each one's output against the first's, prints the fastest per class as a line to paste into the table,
 and makes the fastest the ones the tables below use (the JSON records both); --sweep-kperm does the same on
 K-permuted weights (``pack_nvfp4_weights``) for ``CONFIGS_KPERM``. Every table also times NVFP4 on K-permuted
-weights (``nvfp4_kperm``). --sass DIR writes the SASS (and
+weights (``nvfp4_kperm``: on Hopper the CUDA kernel where it takes the call), and the masked and fused tables
+the same on the Triton kernel alone (``nvfp4_kperm_triton``); the masked table also on the CUDA kernel
+wherever it can take the call (``nvfp4_kperm_cuda``, its default routing limit lifted). --sass DIR writes the SASS (and
 TTGIR/PTX) of every compiled NVFP4 kernel and prints its count of wgmma (HGMMA) instructions.
 
 Times are medians of CUDA-graph replays, NVFP4 and FP8 timed in turn, each after a short settle of its own
@@ -26,7 +28,9 @@ replays (an H200 running these kernels is power-limited; see timing.time_graph).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -57,6 +61,43 @@ def nvfp4_weights(e: int, n: int, k: int, gated: bool = False):
     s = (torch.rand(e, n, k // 16, device=DEV) + 0.5).to(FP8)
     gs = torch.full((e, 2) if gated else (e,), 1.0 / (3 * k**0.5), device=DEV)
     return w, s, gs
+
+
+@contextlib.contextmanager
+def _triton_only():
+    """Keeps a call on the Triton kernel (it would take the Hopper CUDA kernel of moe/gemm_nvfp4_sm90.py)."""
+    old = os.environ.get("FLASHINFER_MOE_GEMM_BACKEND")
+    os.environ["FLASHINFER_MOE_GEMM_BACKEND"] = "triton"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FLASHINFER_MOE_GEMM_BACKEND"]
+        else:
+            os.environ["FLASHINFER_MOE_GEMM_BACKEND"] = old
+
+
+def _on_triton(fn):
+    def call(i):
+        with _triton_only():
+            return fn(i)
+
+    return call
+
+
+def _on_cuda(fn):
+    """``fn`` with the Hopper CUDA kernel taking every masked call it can (its default limit lifted)."""
+    from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90
+
+    def call(i):
+        old = sm90.MAX_CAPACITY
+        sm90.MAX_CAPACITY = 128
+        try:
+            return fn(i)
+        finally:
+            sm90.MAX_CAPACITY = old
+
+    return call
 
 
 def timed(fns: dict, calls: int = 6, reps: int = 7) -> dict[str, float]:
@@ -237,6 +278,12 @@ def masked_rows(rows: list[dict]) -> None:
                     "nvfp4_kperm": lambda i: fm.grouped_gemm_nvfp4_masked(
                         a, *nvp[i % sets], counts, validate=False, out=out
                     ),
+                    "nvfp4_kperm_triton": _on_triton(
+                        lambda i: fm.grouped_gemm_nvfp4_masked(a, *nvp[i % sets], counts, validate=False, out=out)
+                    ),
+                    "nvfp4_kperm_cuda": _on_cuda(
+                        lambda i: fm.grouped_gemm_nvfp4_masked(a, *nvp[i % sets], counts, validate=False, out=out)
+                    ),
                     "fp8": lambda i: fm.grouped_gemm_fp8_block_masked(aq, a_s, *f8[i % sets], counts, out=out),
                     "fp8_packed": lambda i: fm.grouped_gemm_fp8_block_masked(
                         aq, a_s, packed[i % sets], f8[i % sets][1], counts, out=out
@@ -253,6 +300,8 @@ def masked_rows(rows: list[dict]) -> None:
                     k=k,
                     nvfp4_us=t["nvfp4"],
                     nvfp4_kperm_us=t["nvfp4_kperm"],
+                    nvfp4_kperm_triton_us=t["nvfp4_kperm_triton"],
+                    nvfp4_kperm_cuda_us=t["nvfp4_kperm_cuda"],
                     fp8_us=t["fp8"],
                     fp8_packed_us=t["fp8_packed"],
                     speedup_vs_fp8_best=fp8_best / t["nvfp4"],
@@ -334,6 +383,9 @@ def fused_rows(rows: list[dict]) -> None:
                 {
                     "nvfp4": lambda i: fm.fused_moe(x, w13, w2, weights, ids, **nv_kw, **common),
                     "nvfp4_kperm": lambda i: fm.fused_moe(x, k13, k2, weights, ids, **nv_kw, **common),
+                    "nvfp4_kperm_triton": _on_triton(
+                        lambda i: fm.fused_moe(x, k13, k2, weights, ids, **nv_kw, **common)
+                    ),
                     "fp8": lambda i: fm.fused_moe(x, f13, f2, weights, ids, **f8_kw, **common),
                     "fp8_packed": lambda i: fm.fused_moe(x, p13, p2, weights, ids, **f8_kw, **common),
                 },
@@ -349,6 +401,7 @@ def fused_rows(rows: list[dict]) -> None:
                     tokens=t,
                     nvfp4_us=times["nvfp4"],
                     nvfp4_kperm_us=times["nvfp4_kperm"],
+                    nvfp4_kperm_triton_us=times["nvfp4_kperm_triton"],
                     fp8_us=times["fp8"],
                     fp8_packed_us=times["fp8_packed"],
                     speedup_vs_fp8_best=fp8_best / times["nvfp4"],

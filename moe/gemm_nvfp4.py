@@ -7,7 +7,8 @@ nibble), ``w_block_scale`` `[E, N, K / 16]` float8_e4m3fn (``weight_scale``), ``
 for the up rows, since a checkpoint quantizes ``gate_proj`` and ``up_proj`` separately and their
 ``weight_scale_2`` may differ (kept exact rather than requantized to a common scale). On a GPU a call launches
 the Triton kernel of ``gemm_nvfp4_kernel`` (no host sync beyond the optional value check); on a CPU the
-reference runs on the dequantized weights.
+reference runs on the dequantized weights. On Hopper, K-permuted weights with decode-sized groups take the
+CUDA kernel of ``gemm_nvfp4_sm90`` instead.
 
 Dimension legend: ``E`` experts, ``R`` rows of the contiguous layout, ``C`` masked capacity, ``K`` reduction,
 ``N`` weight rows (``2 I`` for GEMM1 with an activation, whose output has ``I`` columns).
@@ -66,7 +67,24 @@ def _gemm_cpu(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, al
 
 def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity, kperm):
     from . import gemm_nvfp4_kernel as kernel
+    from . import gemm_nvfp4_sm90 as sm90
 
+    if sm90.usable(a, w, out, offsets, capacity, act, kperm):
+        with on_device(a):
+            sm90.launch(
+                a,
+                w,
+                w_block_scale,
+                w_global_scale,
+                out,
+                counts.contiguous(),
+                None if offsets is None else offsets.contiguous(),
+                act=act,
+                alpha=alpha,
+                limit=limit,
+                capacity=capacity,
+            )
+        return
     config = kernel.pick(a.shape[0], w.shape[0], capacity, bool(act), 2 * w.shape[2], kperm)
     with on_device(a):
         kernel.launch(

@@ -1,0 +1,511 @@
+// Hopper NVFP4-weight (W4A16) grouped GEMM for decode-sized groups, over the masked or the contiguous layout.
+//
+//   out[r] = act(A[r] @ (e2m1(W[e]) * block_scale[e] * global_scale[e])^T)   for the rows r of group e:
+//   offsets[e] + t (contiguous) or e * C + t (masked), t < min(counts[e], C)
+//   A  [rows, K] bf16 (row-major); W [E, NW, K / 2] uint8, K-permuted (moe/packed_nvfp4.py); block_scale
+//   [E, NW, K / 16] e4m3; global_scale [E] or [E, 2] (gate, up) fp32; out [rows, N] bf16 or fp32
+//
+// Why a kernel beside the Triton one: expanding 4-bit weights costs integer instructions per weight, and at
+// decode those instructions, not the memory, set the time. Here the weights are wgmma's A operand (the weight
+// rows are the 64-row M side, the few tokens the N side), so every weight is expanded exactly once, by the
+// thread whose registers wgmma reads it from, and no expanded weight passes through shared memory. The
+// K-permuted layout puts each thread's bytes of one 64-deep span together: one 8-byte shared-memory load per row
+// and span. (Measured on an H200 it matches the Triton kernel at 8 rows per expert and trails it above;
+// moe/gemm_nvfp4_sm90.py routes accordingly, docs/perf.md.)
+//
+// Expansion: a byte-permute lookup turns four bytes into four bf16x2 (two tables of the bf16 high and low
+// bytes of the eight E2M1 magnitudes, the sign bits replicated into the high bytes), then one bf16x2 multiply
+// by the block scale applies it exactly (E2M1 x E4M3 has at most 6 significant bits).
+//
+// Structure: two warpgroups per CTA, 64 weight rows each (with an activation: warpgroup 0 the 64 gate rows,
+// warpgroup 1 their 64 up rows, the up accumulators passed to warpgroup 0 through shared memory at the end), one
+// CTA per (column block, expert), looping over the group's token tiles (one at decode). A ring of
+// shared-memory stages, each 256 K of the activations (wgmma's B operand: 128-byte swizzled rows), the 128
+// weight rows and their block scales, is filled with cp.async by the whole CTA.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "sm90_launch.cuh"
+
+namespace fim {
+namespace sm90_nvfp4 {
+
+constexpr int kThreads = 256;
+constexpr int kStageK = 256;  // K of one activation stage (four 64-deep spans)
+[[maybe_unused]] constexpr int kSpansPerStage = kStageK / 64;
+constexpr int kWStageBytes = 128 * kStageK / 2;   // 128 weight rows
+constexpr int kSStageBytes = 128 * kStageK / 16;  // their block scales
+
+// The expansion's byte tables (bf16 low and high bytes of the E2M1 magnitudes), see expand4.
+[[maybe_unused]] __device__ const uint32_t kTables[4] = {0xC0800000u, 0xC0804000u, 0x3F3F3F00u, 0x40404040u};
+
+struct Params {
+  const __nv_bfloat16* a;  // [rows, K]
+  const uint8_t* w;        // [E, NW, K / 2], K-permuted
+  const uint8_t* scale;    // [E, NW, K / 16] e4m3
+  const float* gscale;     // [E, gscale_stride]
+  const int32_t* counts;   // [E]
+  const int32_t* offsets;  // [E] first row of each group (contiguous layout), or null (masked: e * capacity)
+  void* out;               // [rows, n_out]
+  int capacity, nw, k, n_out, gscale_stride;
+  int act, out_f32;
+  float alpha, limit;
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes into shared memory; src_bytes 0 fills zeros (rows past the group).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ uint2 lds64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ float lds_f32(uint32_t addr) { return __uint_as_float(lds32(addr)); }
+
+__device__ __forceinline__ void sts(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+// Shared-memory descriptor of a K-major [rows][64 bf16] tile with the 128-byte swizzle: 8-row atoms 1024 bytes
+// apart; a 16-deep k step moves the start address by 32 bytes.
+// The low word (start address / 16, leading offset 1) is built once and stepped by adds.
+__device__ __forceinline__ uint64_t desc_b_lo(uint32_t lo) {
+  constexpr uint64_t hi = static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32;
+  return hi | lo;
+}
+
+// Four weight bytes -> four bf16x2 (byte j -> o[j], its low nibble in the low half), o[0..1] times the scale
+// pair s01 and o[2..3] times s23. prmt with the 3-bit magnitude as selector reads the high and the low byte of
+// the bf16 of each E2M1 magnitude (0, .5, 1, 1.5, 2, 3, 4, 6: 0000 3F00 3F80 3FC0 4000 4040 4080 40C0) from two
+// 8-byte tables; prmt's sign mode replicates each nibble's sign bit (from x << 4 and x) into a byte that is
+// or-ed into the high bytes; two more prmt interleave low and high bytes into pairs.
+// The lookup tables, kept in registers by the caller (materialized inside the asm they cost an instruction each
+// per use).
+struct Tables {
+  uint32_t lo0, lo1, hi0, hi1;
+};
+
+__device__ __forceinline__ void expand4(const Tables& tb, uint32_t x, uint32_t s01, uint32_t s23, uint32_t& o0,
+                                        uint32_t& o1, uint32_t& o2, uint32_t& o3) {
+  asm("{\n"
+      ".reg .b32 xm, xh, xs, l01, h01, l23, h23, s01, s23;\n"
+      "and.b32 xm, %4, 0x77777777;\n"
+      "shr.u32 xh, xm, 16;\n"
+      "shl.b32 xs, %4, 4;\n"
+      "prmt.b32 l01, %7, %8, xm;\n"
+      "prmt.b32 h01, %9, %10, xm;\n"
+      "prmt.b32 l23, %7, %8, xh;\n"
+      "prmt.b32 h23, %9, %10, xh;\n"
+      "prmt.b32 s01, xs, %4, 0xD9C8;\n"
+      "prmt.b32 s23, xs, %4, 0xFBEA;\n"
+      "lop3.b32 h01, h01, s01, 0x80808080, 0xF8;\n"
+      "lop3.b32 h23, h23, s23, 0x80808080, 0xF8;\n"
+      "prmt.b32 %0, l01, h01, 0x5140;\n"
+      "prmt.b32 %1, l01, h01, 0x7362;\n"
+      "prmt.b32 %2, l23, h23, 0x5140;\n"
+      "prmt.b32 %3, l23, h23, 0x7362;\n"
+      "mul.rn.bf16x2 %0, %0, %5;\n"
+      "mul.rn.bf16x2 %1, %1, %5;\n"
+      "mul.rn.bf16x2 %2, %2, %6;\n"
+      "mul.rn.bf16x2 %3, %3, %6;\n"
+      "}\n"
+      : "=r"(o0), "=r"(o1), "=r"(o2), "=r"(o3)
+      : "r"(x), "r"(s01), "r"(s23), "r"(tb.lo0), "r"(tb.lo1), "r"(tb.hi0), "r"(tb.hi1));
+}
+
+// Two E4M3 scales (the low 16 bits of v) -> a bf16x2 holding the first twice and one holding the second twice
+// (exact: an E4M3 is an fp16 and a bf16).
+__device__ __forceinline__ void scale_pairs(uint32_t v, uint32_t& p0, uint32_t& p1) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xFFFF), __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  const __nv_bfloat162 b0 = __floats2bfloat162_rn(f.x, f.x);
+  const __nv_bfloat162 b1 = __floats2bfloat162_rn(f.y, f.y);
+  p0 = *reinterpret_cast<const uint32_t*>(&b0);
+  p1 = *reinterpret_cast<const uint32_t*>(&b1);
+}
+
+// wgmma with A (the expanded weights) in registers and B (the activations) in shared memory, accumulating.
+__device__ __forceinline__ void wgmma_rs(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, "
+      "p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, "
+      "%35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving register reads or writes across the asynchronous wgmma boundaries.
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+__device__ __forceinline__ void fence_regs(uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[c][i])::"memory");
+}
+
+__device__ __forceinline__ float gated(float gate, float up, int act, float alpha, float limit) {
+  if (act == 1) return gate / (1.0f + __expf(-gate)) * up;
+  const float g = fminf(gate, limit);
+  const float u = fminf(fmaxf(up, -limit), limit);
+  return g / (1.0f + __expf(-alpha * g)) * (u + 1.0f);
+}
+
+#endif
+
+// T: tokens per tile (wgmma's N); GATED: warpgroup 0 holds 64 gate rows and warpgroup 1 their 64 up rows;
+// STAGES: shared-memory stages, each the activations, weights and scales of 256 K.
+template <int T, bool GATED, int STAGES>
+__global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid_constant__ Params p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int R = T / 2;  // accumulator floats per thread
+  constexpr int kXBytes = T * kStageK * 2;
+  constexpr int kStageBytes = kXBytes + kWStageBytes + kSStageBytes;
+  extern __shared__ uint8_t smem_raw[];
+
+  const int e = blockIdx.y;
+  const int count = min(__ldg(p.counts + e), p.capacity);
+  if (count <= 0) return;
+  const int64_t first_row = p.offsets ? __ldg(p.offsets + e) : static_cast<int64_t>(e) * p.capacity;
+  const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, q = lane & 3;
+  // Output columns [col0, col0 + 64) of this warpgroup (GATED: of the CTA, the up rows being n_out further).
+  const int col0 = GATED ? blockIdx.x * 64 : blockIdx.x * 128 + wg * 64;
+  const bool active = col0 < p.n_out;  // uniform per warpgroup
+  const int half_k = p.k >> 1, groups = p.k >> 4, spans = p.k >> 6;
+  const int stages = (p.k + kStageK - 1) / kStageK;
+  const uint8_t* w_e = p.w + static_cast<int64_t>(e) * p.nw * half_k;
+  const uint8_t* s_e = p.scale + static_cast<int64_t>(e) * p.nw * groups;
+
+  // The weight row of the CTA's local row lr (< 128), or -1 past the last output column.
+  auto weight_row = [&](int lr) {
+    const int col = (GATED ? col0 : blockIdx.x * 128) + (GATED ? (lr & 63) : lr);
+    return col < p.n_out ? col + (GATED && lr >= 64 ? p.n_out : 0) : -1;
+  };
+  // This thread's two local rows (wgmma's rows lane / 4 and lane / 4 + 8 of its warp's 16); both have the
+  // same residue modulo 4, which the weight stage's swizzle uses.
+  const int lr0 = wg * 64 + warp * 16 + (lane >> 2);
+  const uint32_t w_swz = lr0 & 3;
+  // Shared-memory offsets of this thread's weight bytes and scales within a stage (rows lr0 and lr0 + 8 are 1024
+  // and 128 bytes further), and the low word of the descriptor of stage 0's first activation atom.
+  const uint32_t w_thread = kXBytes + lr0 * 128 + 8 * q;
+  const uint32_t s_thread = kXBytes + kWStageBytes + lr0 * 16;
+  const uint32_t desc_lo0 = (base >> 4) | (1u << 16);
+
+  // The expansion's tables, read from memory so that ptxas keeps them in registers instead of rebuilding each
+  // constant before every use (16 instructions a span).
+  const Tables tables{__ldg(kTables), __ldg(kTables + 1), __ldg(kTables + 2), __ldg(kTables + 3)};
+
+  // This thread's copies of every stage, fixed for the CTA (weights: 128 rows x 8 chunks of 16 bytes; scales:
+  // 128 rows x 4 copies of 4 bytes, a row's scales being only 4-byte aligned), advanced by one stage's bytes
+  // per stage. Chunk c of weight row lr lands at c ^ 2 (lr % 4), so that a half-warp's four rows read four
+  // different bank ranges.
+  constexpr int kWCopies = 128 * 8 / kThreads, kSCopies = 128 * 4 / kThreads, kXCopies = T * 32 / kThreads;
+  const uint8_t* w_src[kWCopies];
+  uint32_t w_dst[kWCopies];
+  int w_lim[kWCopies];  // bytes of the row past the copy's start in stage 0 (<= 0: no such row)
+#pragma unroll
+  for (int m = 0; m < kWCopies; ++m) {
+    const int i = threadIdx.x + m * kThreads, lr = i >> 3, c = i & 7;
+    const int wr = weight_row(lr);
+    w_src[m] = wr >= 0 ? w_e + static_cast<int64_t>(wr) * half_k + 16 * c : p.w;
+    w_dst[m] = kXBytes + lr * 128 + ((c ^ (2 * (lr & 3))) << 4);
+    w_lim[m] = wr >= 0 ? half_k - 16 * c : 0;
+  }
+  const uint8_t* s_src[kSCopies];
+  uint32_t s_dst[kSCopies];
+  int s_lim[kSCopies];
+#pragma unroll
+  for (int m = 0; m < kSCopies; ++m) {
+    const int i = threadIdx.x + m * kThreads, lr = i >> 2, c = i & 3;
+    const int wr = weight_row(lr);
+    s_src[m] = wr >= 0 ? s_e + static_cast<int64_t>(wr) * groups + 4 * c : p.scale;
+    s_dst[m] = kXBytes + kWStageBytes + lr * 16 + 4 * c;
+    s_lim[m] = wr >= 0 ? groups - 4 * c : 0;
+  }
+
+  // A group larger than a tile runs as several tiles, one after the other, each reading this CTA's weight rows
+  // again (from L2 after the first).
+  for (int t0 = 0; t0 < count; t0 += T) {
+    // Activations: T rows x 32 chunks of 16 bytes per stage, 128-byte swizzled per 64-K atom (wgmma's B); rows
+    // past the group are zero-filled.
+    const __nv_bfloat16* x_src[kXCopies];
+    uint32_t x_dst[kXCopies];
+    int x_lim[kXCopies];
+#pragma unroll
+    for (int m = 0; m < kXCopies; ++m) {
+      const int i = threadIdx.x + m * kThreads, t = i >> 5, chunk = i & 31, c = chunk & 7;
+      const bool row_ok = t0 + t < count;
+      x_src[m] = row_ok ? p.a + (first_row + t0 + t) * p.k + 8 * chunk : p.a;
+      x_dst[m] = (chunk >> 3) * (T * 128) + t * 128 + ((c ^ (t & 7)) << 4);
+      x_lim[m] = row_ok ? p.k - 8 * chunk : 0;
+    }
+    auto load_stage = [&](int s) {
+      if (s < stages) {
+        const uint32_t buf = base + (s % STAGES) * kStageBytes;
+        const int k0 = s * kStageK;
+#pragma unroll
+        for (int m = 0; m < kXCopies; ++m) {
+          const bool ok = k0 < x_lim[m];
+          cp_async_16(buf + x_dst[m], ok ? x_src[m] + k0 : p.a, ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int m = 0; m < kWCopies; ++m) {
+          const bool ok = (k0 >> 1) < w_lim[m];
+          cp_async_16(buf + w_dst[m], ok ? w_src[m] + (k0 >> 1) : p.w, ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int m = 0; m < kSCopies; ++m) {
+          const bool ok = (k0 >> 4) < s_lim[m];
+          cp_async_4(buf + s_dst[m], ok ? s_src[m] + (k0 >> 4) : p.scale, ok ? 4 : 0);
+        }
+      }
+      cp_async_commit();
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) load_stage(s);
+
+    float acc[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+    uint32_t af[4][4];
+
+    for (int st = 0; st < stages; ++st) {
+      // Stage st - 2's buffer is refilled below: every warpgroup's wgmma groups have completed once each thread
+      // passes this wait and the barrier.
+      wgmma_wait<0>();
+      cp_async_wait<STAGES - 3>();
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> wgmma's reads
+      __syncthreads();
+      load_stage(st + STAGES - 2);
+      const uint32_t buf = base + (st % STAGES) * kStageBytes;
+      const uint32_t w_addr = buf + w_thread, s_addr = buf + s_thread;
+      const uint32_t desc_stage = desc_lo0 + ((st % STAGES) * kStageBytes >> 4);
+#pragma unroll
+      for (int d = 0; d < kSpansPerStage; ++d) {
+        const int i = st * kSpansPerStage + d;
+        if (!active || i >= spans) continue;
+        // The previous span's group has completed: its registers, which the expansion below reuses, are free
+        // (ptxas gives every span's fragments the same registers).
+        wgmma_wait<0>();
+        // This thread's 8 bytes of span d in each of its rows (span d of row lr sits at 32 (d ^ lr % 4)).
+        const uint32_t w_span = w_addr + ((d ^ w_swz) << 5);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint2 wv = lds64(w_span + 1024 * j);
+          const uint32_t sv = lds32(s_addr + 128 * j + 4 * d);
+          uint32_t sp[4], o[4];
+          scale_pairs(sv, sp[0], sp[1]);
+          scale_pairs(sv >> 16, sp[2], sp[3]);
+          expand4(tables, wv.x, sp[0], sp[1], o[0], o[1], o[2], o[3]);
+          af[0][j] = o[0];
+          af[0][2 + j] = o[1];
+          af[1][j] = o[2];
+          af[1][2 + j] = o[3];
+          expand4(tables, wv.y, sp[2], sp[3], o[0], o[1], o[2], o[3]);
+          af[2][j] = o[0];
+          af[2][2 + j] = o[1];
+          af[3][j] = o[2];
+          af[3][2 + j] = o[3];
+        }
+        fence_regs(af);
+        fence_regs(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int c = 0; c < 4; ++c) wgmma_rs(acc, af[c], desc_b_lo(desc_stage + ((d * T * 128 + 32 * c) >> 4)));
+        wgmma_commit();
+      }
+    }
+    wgmma_wait<0>();
+    cp_async_wait<0>();
+    fence_regs(acc);
+    __syncthreads();  // every stage read: the gated exchange below and the next tile reuse the buffers
+
+    const float g0 = __ldg(p.gscale + e * p.gscale_stride);
+    if constexpr (GATED) {
+      // The up rows' accumulators go to warpgroup 0 through shared memory, [i][thread] (no bank conflicts).
+      const uint32_t xchg = base + 4 * (threadIdx.x & 127);
+      if (wg == 1 && active) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) sts(xchg + 512 * i, __float_as_uint(acc[i]));
+      }
+      __syncthreads();
+      if (wg == 1 || !active) {
+        __syncthreads();
+        continue;
+      }
+      const float g1 = __ldg(p.gscale + e * p.gscale_stride + p.gscale_stride - 1);
+#pragma unroll
+      for (int i = 0; i < R; ++i) acc[i] = gated(acc[i] * g0, lds_f32(xchg + 512 * i) * g1, p.act, p.alpha, p.limit);
+    } else {
+      if (!active) continue;
+#pragma unroll
+      for (int i = 0; i < R; ++i) acc[i] *= g0;
+    }
+    const int64_t out_row0 = first_row + t0;
+    const int col = col0 + warp * 16 + (lane >> 2);
+#pragma unroll
+    for (int j = 0; j < T / 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          const int t = 8 * j + 2 * q + b;
+          if (t0 + t >= count) continue;
+          const float v = acc[4 * j + 2 * h + b];
+          const int64_t index = (out_row0 + t) * p.n_out + col + 8 * h;
+          if (p.out_f32) {
+            static_cast<float*>(p.out)[index] = v;
+          } else {
+            static_cast<__nv_bfloat16*>(p.out)[index] = __float2bfloat16_rn(v);
+          }
+        }
+      }
+    }
+    if constexpr (GATED) __syncthreads();  // warpgroup 0 has read the exchange before the next tile's stages
+  }
+#endif
+}
+
+// Stages: as many as fit beside another resident CTA (two per SM; three measured slower: the grids of decode shapes
+// fall into fewer, less full waves), at least 3.
+template <int T>
+constexpr int stages_for() {
+  constexpr int bytes = T * kStageK * 2 + kWStageBytes + kSStageBytes;
+  constexpr int fit = (110 * 1024) / bytes;
+  return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
+}
+
+template <int T, bool GATED>
+cudaError_t launch(const Params& p, int num_experts, cudaStream_t stream) {
+  constexpr int kStages = stages_for<T>();
+  constexpr int kSmem = kStages * (T * kStageK * 2 + kWStageBytes + kSStageBytes) + 1024;
+  cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, GATED, kStages>>(kSmem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((p.n_out + (GATED ? 63 : 127)) / (GATED ? 64 : 128), num_experts);
+  nvfp4_grouped_kernel<T, GATED, kStages><<<grid, kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <bool GATED>
+cudaError_t launch_tile(const Params& p, int num_experts, int tile, cudaStream_t stream) {
+  switch (tile) {
+    case 8:
+      return launch<8, GATED>(p, num_experts, stream);
+    case 16:
+      return launch<16, GATED>(p, num_experts, stream);
+    case 32:
+      return launch<32, GATED>(p, num_experts, stream);
+    case 64:
+      return launch<64, GATED>(p, num_experts, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace sm90_nvfp4
+}  // namespace fim
+
+// tile: tokens per CTA tile (8, 16, 32 or 64); act 0 (none: out [rows, nw]) or 1/2 (gated: out [rows, nw / 2]);
+// offsets null for the masked layout (capacity C), else the contiguous layout's group starts (capacity: a bound).
+// K a multiple of 64, nw (and nw / 2 when gated) a multiple of 64, all pointers 16-byte aligned.
+extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const void* scale, const float* gscale,
+                                            int gscale_stride, const int32_t* counts, const int32_t* offsets, void* out,
+                                            int out_f32, int num_experts, int capacity, int nw, int k, int act,
+                                            float alpha, float limit, int tile, void* stream) {
+  using namespace fim::sm90_nvfp4;
+  if (k % 64 || nw % 64 || (act && nw % 128) || capacity <= 0) return cudaErrorInvalidValue;
+  const Params p{static_cast<const __nv_bfloat16*>(a),
+                 static_cast<const uint8_t*>(w),
+                 static_cast<const uint8_t*>(scale),
+                 gscale,
+                 counts,
+                 offsets,
+                 out,
+                 capacity,
+                 nw,
+                 k,
+                 act ? nw / 2 : nw,
+                 gscale_stride,
+                 act,
+                 out_f32,
+                 alpha,
+                 limit};
+  const auto s = static_cast<cudaStream_t>(stream);
+  return act ? launch_tile<true>(p, num_experts, tile, s) : launch_tile<false>(p, num_experts, tile, s);
+}

@@ -1,0 +1,117 @@
+"""The Hopper NVFP4 (W4A16) grouped GEMM written in CUDA (``csrc/gemm/sm90_nvfp4_w4a16_grouped.cu``), for
+decode-sized groups with K-permuted weights, over the masked and the contiguous layouts.
+
+Its weights are wgmma's register operand, expanded by the thread whose registers wgmma reads them from, so no
+expanded weight passes through shared memory. It matched the Triton kernel at decode rather than beating it
+(both are bound by the expansion's instructions, docs/perf.md), so ``usable`` sends it only the calls where it
+measured at least as fast; every other call, and every other GPU, stays on the Triton kernel
+(``moe/gemm_nvfp4_kernel.py``).
+``FLASHINFER_MOE_GEMM_BACKEND=triton`` turns it off. Dimension legend as in ``moe/gemm_nvfp4.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from flashinfer_moe import envs
+from flashinfer_moe._ops import check_launch, kernel_library, stream_of
+from flashinfer_moe.jit import KernelSpec, register
+
+from .gemm_op import ACT_CODES
+
+SPEC = register(
+    KernelSpec(
+        "gemm_nvfp4_sm90",
+        ("gemm/sm90_nvfp4_w4a16_grouped.cu", "gemm/sm90_common.cu"),
+        archs=("90a",),  # wgmma: sm_90a exactly
+        min_arch="90a",
+    )
+)
+
+TILES = (8, 16, 32, 64)  # tokens per CTA tile (wgmma's N)
+# Where it takes a call by default: masked capacities up to MAX_CAPACITY, contiguous groups of up to MAX_MEAN_ROWS
+# rows on average. On an H200 (docs/perf.md) it matched or led the Triton kernel only at 8 rows per expert
+# (269 vs 270 us and 146 vs 152 us for 32 experts), trailed it from 16 rows on, and on the contiguous layout of
+# fused_moe with 256 experts (an idle CTA per expert and column block), so the contiguous path is off by
+# default. Both paths are tested with the limits raised. A group larger than a tile runs as several tiles, each
+# reading the CTA's weight rows again (from L2).
+MAX_CAPACITY = 8
+MAX_MEAN_ROWS = 0
+
+_vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "fim_sm90_nvfp4_w4a16_grouped": (
+        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp, _int, _int, _int, _int, _int, _int, _float, _float, _int, _vp],
+        _int,
+    )
+}
+
+
+@functools.cache
+def _device_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _group_rows(rows: int, num_experts: int, offsets, capacity: int) -> int:
+    """The masked capacity, or the contiguous layout's mean rows per expert (rounded up)."""
+    return capacity if offsets is None else -(-rows // num_experts)
+
+
+def tile_for(group_rows: int) -> int:
+    """Tokens per tile for groups of about ``group_rows``: the smallest tile holding them, else the largest."""
+    return next((t for t in TILES if t >= group_rows), TILES[-1])
+
+
+def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacity: int, act: int, kperm: bool) -> bool:
+    """Whether the kernel takes the call: sm_90, K-permuted weights, decode-sized groups (a masked capacity up to
+    ``MAX_CAPACITY``, contiguous groups of up to ``MAX_MEAN_ROWS`` rows on average), bf16 activations, weight
+    rows (and GEMM1's output columns) a multiple of 64, dense operands with 16-byte aligned activations."""
+    if envs.gemm_backend() == "triton" or not kperm:
+        return False
+    group_rows = _group_rows(a.shape[0], w.shape[0], offsets, capacity)
+    if group_rows > (MAX_CAPACITY if offsets is None else MAX_MEAN_ROWS):
+        return False
+    if a.dtype != torch.bfloat16 or out.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if not _device_ok(a.device.index):
+        return False
+    nw = w.shape[1]
+    if nw % 64 or (act != ACT_CODES[None] and nw % 128):
+        return False
+    if not (a.is_contiguous() and w.is_contiguous() and out.is_contiguous()):
+        return False
+    return a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+
+
+def launch(a, w, w_block_scale, w_global_scale, out, counts, offsets, *, act, alpha, limit, capacity) -> None:
+    """Launch on ``a`` `[R, K]` (masked: `[E * C, K]`), ``w`` `[E, NW, K / 2]` (K-permuted), ``w_block_scale``
+    `[E, NW, K / 16]`, ``w_global_scale`` `[E]` or `[E, 2]`, ``out`` `[R, N]`, ``counts`` `[E]` int32,
+    ``offsets`` `[E]` int32 group starts (contiguous) or None (masked); no host sync."""
+    lib = kernel_library(SPEC.name, _SIGNATURES)
+    num_experts, nw, half_k = w.shape
+    scale = w_block_scale.contiguous()
+    gscale = w_global_scale.contiguous()
+    status = lib.fim_sm90_nvfp4_w4a16_grouped(
+        a.data_ptr(),
+        w.data_ptr(),
+        scale.data_ptr(),
+        gscale.data_ptr(),
+        1 if gscale.dim() == 1 else gscale.shape[1],
+        counts.data_ptr(),
+        None if offsets is None else offsets.data_ptr(),
+        out.data_ptr(),
+        int(out.dtype == torch.float32),
+        num_experts,
+        capacity,
+        nw,
+        2 * half_k,
+        act,
+        alpha,
+        limit,
+        tile_for(_group_rows(a.shape[0], num_experts, offsets, capacity)),
+        stream_of(a),
+    )
+    check_launch(lib, status, "grouped_gemm_nvfp4 (sm90)")

@@ -1,0 +1,140 @@
+"""The Hopper CUDA kernel of the NVFP4 grouped GEMM (moe/gemm_nvfp4_sm90.py) against float64 references on the
+dequantized weights: masked capacities across every token tile (and past them, several tiles per group), the
+contiguous layout with and without padding, partial K stages and idle warpgroups, every activation, bf16 and
+fp32 output, and every E2M1 code under every finite E4M3 scale bit for bit."""
+
+import pytest
+import torch
+from gemm_cases import contiguous_layout, owned_rows, rel_err
+from nvfp4_cases import FP8, dequantized, nvfp4_weights
+
+import flashinfer_moe as fm
+from flashinfer_moe import reference as ref
+from flashinfer_moe import reference_quant as rq
+from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+OUT_TOL = {torch.bfloat16: 1e-2, torch.float32: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def _hopper(monkeypatch):
+    """On sm_90a only; with the routing limits raised, so that every tile and both layouts run here."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the kernel is sm_90a")
+    monkeypatch.setattr(sm90, "MAX_CAPACITY", 128)
+    monkeypatch.setattr(sm90, "MAX_MEAN_ROWS", 32)
+
+
+def _reference(a, w, s, gs, counts, offsets, activation):
+    a2 = a.reshape(-1, a.shape[-1]).double()
+    n = w.shape[1] // 2 if activation else w.shape[1]
+    out = torch.zeros(a2.shape[0], n, dtype=torch.float64, device=DEV)
+    for e, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
+        if count:
+            we = dequantized(w[e : e + 1], s[e : e + 1], gs[e : e + 1])[0]
+            rows = slice(start, start + count)
+            out[rows] = ref.activation(a2[rows] @ we.T, activation)
+    return out
+
+
+def _assert_taken(a, w, out, offsets, capacity, act):
+    act_code = {None: 0, "silu": 1, "clamped_silu": 2}[act]
+    assert sm90.usable(
+        a.reshape(-1, a.shape[-1]), w.data, out.view(-1, out.shape[-1]), offsets, capacity, act_code, True
+    )
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act", [None, "silu", "clamped_silu"])
+@pytest.mark.parametrize("capacity", [1, 5, 8, 16, 31, 64, 100, 128])
+def test_masked(rng, capacity, act, out_dtype):
+    """n = 192 output columns: the second CTA column's second warpgroup has no rows; K = 320: a partial stage."""
+    seed, g = rng
+    num_experts, n, k = 5, 192, 320
+    gated = act is not None
+    a = torch.randn(num_experts, capacity, k, generator=g).bfloat16().to(DEV)
+    w, s, gs = (t.to(DEV) for t in nvfp4_weights(num_experts, 2 * n if gated else n, k, g, gated=gated))
+    wp = fm.pack_nvfp4_weights(w)
+    given = torch.tensor([capacity, 0, 1, capacity // 2, capacity + 5], dtype=torch.int32)  # past C: clamped
+    counts = given.clamp(max=capacity)
+    out = torch.full((num_experts, capacity, n), float("nan"), dtype=out_dtype, device=DEV)
+    _assert_taken(a, wp, out, None, capacity, act)
+    fm.grouped_gemm_nvfp4_masked(a, wp, s, gs, given.to(DEV), activation=act, out_dtype=out_dtype, out=out)
+    torch.cuda.synchronize()
+    offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
+    want = _reference(a, w, s, gs, counts, offsets, act).view(num_experts, capacity, -1).cpu()
+    got = out.cpu()
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            assert rel_err(got[e, :c], want[e, :c]) < OUT_TOL[out_dtype], (seed, e)
+        assert got[e, c:].isnan().all(), "slots past the count must keep the poison"
+
+
+@pytest.mark.parametrize("act", [None, "silu"])
+@pytest.mark.parametrize("block_rows", [1, 128])
+@pytest.mark.parametrize("counts", [[0, 1, 7, 33, 0, 2], [3], [70, 0, 0, 1]])
+def test_contiguous(rng, counts, block_rows, act):
+    seed, g = rng
+    n, k = 256, 448
+    gated = act is not None
+    layout = contiguous_layout(counts, block_rows, DEV)
+    a = torch.randn(layout.num_rows, k, generator=g).bfloat16().to(DEV)
+    w, s, gs = (t.to(DEV) for t in nvfp4_weights(len(counts), 2 * n if gated else n, k, g, gated=gated))
+    wp = fm.pack_nvfp4_weights(w)
+    out = torch.full((layout.num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    taken = sm90.usable(a, wp.data, out, layout.expert_offsets, 2**31 - 1, int(gated), True)
+    assert taken == (-(-layout.num_rows // len(counts)) <= sm90.MAX_MEAN_ROWS)
+    fm.grouped_gemm_nvfp4_contiguous(a, wp, s, gs, layout, activation=act, out=out)
+    torch.cuda.synchronize()
+    counts_t, offsets = layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu()
+    owned = owned_rows(counts_t, offsets, layout.num_rows)
+    want = _reference(a, w, s, gs, counts_t, offsets, act)
+    if owned.any():
+        assert rel_err(out.cpu()[owned], want.cpu()[owned]) < 1e-2, seed
+    assert out.cpu()[~owned].isnan().all(), "rows no expert owns must keep the poison"
+
+
+def test_deepseek_decode_shape(rng):
+    """GEMM1 of a DeepSeek-V3 expert at decode: (2 I, H) = (4096, 7168), 16 rows per expert."""
+    seed, g = rng
+    num_experts, capacity, inter, hidden = 3, 16, 2048, 7168
+    a = torch.randn(num_experts, capacity, hidden, generator=g).bfloat16().to(DEV)
+    w, s, gs = (t.to(DEV) for t in nvfp4_weights(num_experts, 2 * inter, hidden, g, gated=True))
+    counts = torch.tensor([16, 3, 11], dtype=torch.int32)
+    out = torch.full((num_experts, capacity, inter), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fm.grouped_gemm_nvfp4_masked(a, fm.pack_nvfp4_weights(w), s, gs, counts.to(DEV), activation="silu", out=out)
+    torch.cuda.synchronize()
+    offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
+    want = _reference(a, w, s, gs, counts, offsets, "silu").view(num_experts, capacity, -1).cpu()
+    for e, c in enumerate(counts.tolist()):
+        assert rel_err(out.cpu()[e, :c], want[e, :c]) < 1e-2, (seed, e)
+
+
+def test_every_code_expands_exactly():
+    """a = I (64 rows per expert, four experts covering K = 256): the output is the expanded weights themselves,
+    every E2M1 code under every finite E4M3 scale (subnormals and zero included) and their signs, bit for bit
+    the reference's dequantization."""
+    k, num_experts = 256, 4
+    n = 16 * 128  # 16 codes x 127 finite non-negative scales (+ 16 rows of scale 0)
+    codes = torch.arange(16, dtype=torch.uint8).repeat(n, k // 16).view(1, n, k)
+    scales = (torch.arange(128, dtype=torch.uint8) % 127).repeat_interleave(16)[:, None].expand(n, k // 16)
+    scales = scales.clone().view(FP8)[None]
+    w = rq.pack_nibbles(codes)
+    wp = fm.pack_nvfp4_weights(w.expand(num_experts, -1, -1).contiguous().to(DEV))
+    eye = torch.eye(k, dtype=torch.bfloat16, device=DEV).view(num_experts, 64, k)
+    out = torch.full((num_experts, 64, n), float("nan"), device=DEV)
+    counts = torch.full((num_experts,), 64, dtype=torch.int32, device=DEV)
+    s = scales.expand(num_experts, -1, -1).contiguous().to(DEV)
+    ones = torch.ones(num_experts, device=DEV)
+    fm.grouped_gemm_nvfp4_masked(eye, wp, s, ones, counts, out_dtype=torch.float32, out=out)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu().reshape(k, n).t(), rq.dequantize_nvfp4(w, scales, 1.0)[0])
+
+
+def test_backend_triton_turns_it_off(monkeypatch):
+    monkeypatch.setenv("FLASHINFER_MOE_GEMM_BACKEND", "triton")
+    a = torch.zeros(64, 64, dtype=torch.bfloat16, device=DEV)
+    w = torch.zeros(1, 64, 32, dtype=torch.uint8, device=DEV)
+    assert not sm90.usable(a, w, torch.zeros(64, 64, dtype=torch.bfloat16, device=DEV), None, 64, 0, True)
