@@ -40,6 +40,7 @@ TILES = (8, 16, 32, 64)  # tokens per CTA tile (wgmma's N)
 # reading the CTA's weight rows again (from L2).
 MAX_CAPACITY = 8
 MAX_MEAN_ROWS = 0
+MAX_EXPERTS = 65535  # one grid row per expert
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -78,8 +79,8 @@ def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacit
         return False
     if not _device_ok(a.device.index):
         return False
-    nw = w.shape[1]
-    if nw % 64 or (act != ACT_CODES[None] and nw % 128):
+    num_experts, nw = w.shape[:2]
+    if nw % 64 or (act != ACT_CODES[None] and nw % 128) or num_experts > MAX_EXPERTS:
         return False
     if not (a.is_contiguous() and w.is_contiguous() and out.is_contiguous()):
         return False
@@ -93,6 +94,8 @@ def launch(a, w, w_block_scale, w_global_scale, out, counts, offsets, *, act, al
     lib = kernel_library(SPEC.name, _SIGNATURES)
     num_experts, nw, half_k = w.shape
     scale = w_block_scale.contiguous()
+    if scale.data_ptr() % 4:  # the kernel copies a row's scales 4 bytes at a time
+        scale = scale.clone()
     gscale = w_global_scale.contiguous()
     status = lib.fim_sm90_nvfp4_w4a16_grouped(
         a.data_ptr(),
