@@ -21,6 +21,7 @@ from flashinfer_moe._ops import check_launch, kernel_library, stream_of
 from flashinfer_moe.jit import KernelSpec, register
 
 from .gemm_op import ACT_CODES
+from .gemm_sm90 import _rows_per_expert
 
 SPEC = register(
     KernelSpec(
@@ -56,11 +57,6 @@ def _device_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def _group_rows(rows: int, num_experts: int, offsets, capacity: int) -> int:
-    """The masked capacity, or the contiguous layout's mean rows per expert (rounded up)."""
-    return capacity if offsets is None else -(-rows // num_experts)
-
-
 def tile_for(group_rows: int) -> int:
     """Tokens per tile for groups of about ``group_rows``: the smallest tile holding them, else the largest."""
     return next((t for t in TILES if t >= group_rows), TILES[-1])
@@ -72,7 +68,7 @@ def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacit
     rows (and GEMM1's output columns) a multiple of 64, dense operands with 16-byte aligned activations."""
     if envs.gemm_backend() == "triton" or not kperm:
         return False
-    group_rows = _group_rows(a.shape[0], w.shape[0], offsets, capacity)
+    group_rows = _rows_per_expert(a.shape[0], w.shape[0], capacity if offsets is None else None)
     if group_rows > (MAX_CAPACITY if offsets is None else MAX_MEAN_ROWS):
         return False
     if a.dtype != torch.bfloat16 or out.dtype not in (torch.bfloat16, torch.float32):
@@ -114,7 +110,7 @@ def launch(a, w, w_block_scale, w_global_scale, out, counts, offsets, *, act, al
         act,
         alpha,
         limit,
-        tile_for(_group_rows(a.shape[0], num_experts, offsets, capacity)),
+        tile_for(_rows_per_expert(a.shape[0], num_experts, capacity if offsets is None else None)),
         stream_of(a),
     )
     check_launch(lib, status, "grouped_gemm_nvfp4 (sm90)")

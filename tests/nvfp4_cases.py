@@ -3,6 +3,7 @@ interpreter and GPU tests of the NVFP4 grouped GEMMs and MoE layer."""
 
 import torch
 
+from flashinfer_moe import reference as ref
 from flashinfer_moe import reference_quant as rq
 
 FP8 = torch.float8_e4m3fn
@@ -37,3 +38,18 @@ def dequantized(w, block_scale, global_scale) -> torch.Tensor:
         half = w.shape[1] // 2
         return torch.cat((values[:, :half] * gs[:, :1, None], values[:, half:] * gs[:, 1:, None]), dim=1)
     return values * gs[:, None, None]
+
+
+def grouped_reference(a, w, block_scale, global_scale, counts, offsets, activation) -> torch.Tensor:
+    """float64 `[rows, N]` (or `[rows, N / 2]` with an activation) of an NVFP4 grouped GEMM on ``a``'s device:
+    group ``e`` is rows ``offsets[e]`` to ``offsets[e] + counts[e]``, and only experts that own rows are
+    dequantized. Rows of no group are zero."""
+    a2 = a.reshape(-1, a.shape[-1]).double()
+    n = w.shape[1] // 2 if activation else w.shape[1]
+    out = torch.zeros(a2.shape[0], n, dtype=torch.float64, device=a.device)
+    for e, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
+        if count:
+            we = dequantized(w[e : e + 1], block_scale[e : e + 1], global_scale[e : e + 1])[0]
+            rows = slice(start, start + count)
+            out[rows] = ref.activation(a2[rows] @ we.T, activation)
+    return out

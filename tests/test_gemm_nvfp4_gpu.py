@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 from gemm_cases import contiguous_layout, owned_rows, rel_err
-from nvfp4_cases import FP8, dequantized, nvfp4_weights
+from nvfp4_cases import FP8, dequantized, grouped_reference, nvfp4_weights
 
 import flashinfer_moe as fm
 from flashinfer_moe import reference as ref
@@ -28,19 +28,6 @@ def random_nvfp4(num_experts, n, k, g, gated=False):
     return w, s, gs if gated else gs[:, 0].contiguous()
 
 
-def _reference(a, w, s, gs, counts, offsets, activation):
-    """float64 on the GPU, dequantizing only the experts that own rows."""
-    a2 = a.reshape(-1, a.shape[-1]).double()
-    n = w.shape[1] // 2 if activation else w.shape[1]
-    out = torch.zeros(a2.shape[0], n, dtype=torch.float64, device=DEV)
-    for e, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
-        if count:
-            we = dequantized(w[e : e + 1], s[e : e + 1], gs[e : e + 1])[0]
-            rows = slice(start, start + count)
-            out[rows] = ref.activation(a2[rows] @ we.T, activation)
-    return out
-
-
 @pytest.mark.parametrize(
     "dtype, act",
     [(torch.bfloat16, None), (torch.bfloat16, "silu"), (torch.bfloat16, "clamped_silu"), (torch.float16, "silu")],
@@ -59,7 +46,7 @@ def test_contiguous(rng, dtype, act, counts, n, k, block_rows):
     torch.cuda.synchronize()
     counts_t, offsets = layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu()
     owned = owned_rows(counts_t, offsets, layout.num_rows)
-    want = _reference(a, w, s, gs, counts_t, offsets, act)
+    want = grouped_reference(a, w, s, gs, counts_t, offsets, act)
     if owned.any():
         assert rel_err(got.cpu()[owned], want.cpu()[owned]) < TOL[dtype], seed
     assert got.cpu()[~owned].isnan().all(), "rows no expert owns must keep the poison"
@@ -78,7 +65,7 @@ def test_masked(rng, act, capacity):
     fm.grouped_gemm_nvfp4_masked(a, w, s, gs, given.to(DEV), activation=act, out=out)
     torch.cuda.synchronize()
     offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
-    want = _reference(a, w, s, gs, counts, offsets, act).view(num_experts, capacity, -1).cpu()
+    want = grouped_reference(a, w, s, gs, counts, offsets, act).view(num_experts, capacity, -1).cpu()
     got = out.cpu()
     for e, c in enumerate(counts.tolist()):
         if c:
@@ -123,7 +110,7 @@ def test_every_config(rng, name, swap, kperm):
         kperm=kperm,
     )
     torch.cuda.synchronize()
-    want = _reference(a, w, s, gs, counts, offsets, "silu" if gated else None)
+    want = grouped_reference(a, w, s, gs, counts, offsets, "silu" if gated else None)
     assert rel_err(out, want) < 5e-3, seed
     assert not out.isnan().any()
 

@@ -6,10 +6,9 @@ fp32 output, and every E2M1 code under every finite E4M3 scale bit for bit."""
 import pytest
 import torch
 from gemm_cases import contiguous_layout, owned_rows, rel_err
-from nvfp4_cases import FP8, dequantized, nvfp4_weights
+from nvfp4_cases import FP8, grouped_reference, nvfp4_weights
 
 import flashinfer_moe as fm
-from flashinfer_moe import reference as ref
 from flashinfer_moe import reference_quant as rq
 from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90
 
@@ -25,18 +24,6 @@ def _hopper(monkeypatch):
         pytest.skip("the kernel is sm_90a")
     monkeypatch.setattr(sm90, "MAX_CAPACITY", 128)
     monkeypatch.setattr(sm90, "MAX_MEAN_ROWS", 32)
-
-
-def _reference(a, w, s, gs, counts, offsets, activation):
-    a2 = a.reshape(-1, a.shape[-1]).double()
-    n = w.shape[1] // 2 if activation else w.shape[1]
-    out = torch.zeros(a2.shape[0], n, dtype=torch.float64, device=DEV)
-    for e, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
-        if count:
-            we = dequantized(w[e : e + 1], s[e : e + 1], gs[e : e + 1])[0]
-            rows = slice(start, start + count)
-            out[rows] = ref.activation(a2[rows] @ we.T, activation)
-    return out
 
 
 def _assert_taken(a, w, out, offsets, capacity, act):
@@ -64,7 +51,7 @@ def test_masked(rng, capacity, act, out_dtype):
     fm.grouped_gemm_nvfp4_masked(a, wp, s, gs, given.to(DEV), activation=act, out_dtype=out_dtype, out=out)
     torch.cuda.synchronize()
     offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
-    want = _reference(a, w, s, gs, counts, offsets, act).view(num_experts, capacity, -1).cpu()
+    want = grouped_reference(a, w, s, gs, counts, offsets, act).view(num_experts, capacity, -1).cpu()
     got = out.cpu()
     for e, c in enumerate(counts.tolist()):
         if c:
@@ -90,7 +77,7 @@ def test_contiguous(rng, counts, block_rows, act):
     torch.cuda.synchronize()
     counts_t, offsets = layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu()
     owned = owned_rows(counts_t, offsets, layout.num_rows)
-    want = _reference(a, w, s, gs, counts_t, offsets, act)
+    want = grouped_reference(a, w, s, gs, counts_t, offsets, act)
     if owned.any():
         assert rel_err(out.cpu()[owned], want.cpu()[owned]) < 1e-2, seed
     assert out.cpu()[~owned].isnan().all(), "rows no expert owns must keep the poison"
@@ -107,7 +94,7 @@ def test_deepseek_decode_shape(rng):
     fm.grouped_gemm_nvfp4_masked(a, fm.pack_nvfp4_weights(w), s, gs, counts.to(DEV), activation="silu", out=out)
     torch.cuda.synchronize()
     offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
-    want = _reference(a, w, s, gs, counts, offsets, "silu").view(num_experts, capacity, -1).cpu()
+    want = grouped_reference(a, w, s, gs, counts, offsets, "silu").view(num_experts, capacity, -1).cpu()
     for e, c in enumerate(counts.tolist()):
         assert rel_err(out.cpu()[e, :c], want[e, :c]) < 1e-2, (seed, e)
 
