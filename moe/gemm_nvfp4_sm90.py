@@ -2,9 +2,9 @@
 decode-sized groups with K-permuted weights, over the masked and the contiguous layouts.
 
 Its weights are wgmma's register operand, expanded by the thread whose registers wgmma reads them from, so no
-expanded weight passes through shared memory. It matched the Triton kernel at decode rather than beating it
-(both are bound by the expansion's instructions, docs/perf.md), so ``usable`` sends it only the calls where it
-measured at least as fast; every other call, and every other GPU, stays on the Triton kernel
+expanded weight passes through shared memory. It is 10-17% faster than the Triton kernel at 8-16 rows per
+expert and no faster above (both are bound by the expansion's integer instructions, docs/perf.md), so ``usable``
+sends it only the calls where it measured faster; every other call, and every other GPU, stays on the Triton kernel
 (``moe/gemm_nvfp4_kernel.py``).
 ``FLASHINFER_MOE_GEMM_BACKEND=triton`` turns it off. Dimension legend as in ``moe/gemm_nvfp4.py``.
 """
@@ -34,12 +34,12 @@ SPEC = register(
 
 TILES = (8, 16, 32, 64)  # tokens per CTA tile (wgmma's N)
 # Where it takes a call by default: masked capacities up to MAX_CAPACITY, contiguous groups of up to MAX_MEAN_ROWS
-# rows on average. On an H200 (docs/perf.md) it matched or led the Triton kernel only at 8 rows per expert
-# (269 vs 270 us and 146 vs 152 us for 32 experts), trailed it from 16 rows on, and on the contiguous layout of
-# fused_moe with 256 experts (an idle CTA per expert and column block), so the contiguous path is off by
-# default. Both paths are tested with the limits raised. A group larger than a tile runs as several tiles, each
-# reading the CTA's weight rows again (from L2).
-MAX_CAPACITY = 8
+# rows on average. On an H200 (docs/perf.md) it led the Triton kernel at 8 and 16 rows per expert (249 vs 274 us
+# and 260 vs 292 us for 32 experts at (4096, 7168)), tied it at 64 and trailed it at 128 rows, and trailed it on
+# the contiguous layout of fused_moe with 256 experts (an idle CTA per expert and column block), so the
+# contiguous path is off by default. Both paths are tested with the limits raised. A group larger than a tile
+# runs as several tiles, each reading the CTA's weight rows again (from L2).
+MAX_CAPACITY = 16
 MAX_MEAN_ROWS = 0
 MAX_EXPERTS = 65535  # one grid row per expert
 

@@ -15,13 +15,15 @@
 //
 // Expansion: a byte-permute lookup turns four bytes into four bf16x2 (two tables of the bf16 high and low
 // bytes of the eight E2M1 magnitudes, the sign bits replicated into the high bytes), then one bf16x2 multiply
-// by the block scale applies it exactly (E2M1 x E4M3 has at most 6 significant bits).
+// by the block scale applies it exactly (E2M1 x E4M3 has at most 6 significant bits). Each warpgroup converts
+// its block scales to those bf16x2 factors once per stage, into shared memory.
 //
 // Structure: two warpgroups per CTA, 64 weight rows each (with an activation: warpgroup 0 the 64 gate rows,
 // warpgroup 1 their 64 up rows, the up accumulators passed to warpgroup 0 through shared memory at the end), one
 // CTA per (column block, expert), looping over the group's token tiles (one at decode). A ring of
 // shared-memory stages, each 256 K of the activations (wgmma's B operand: 128-byte swizzled rows), the 128
-// weight rows and their block scales, is filled with cp.async by the whole CTA.
+// weight rows and their block scales, is filled with cp.async by the whole CTA. The integer pipe (the lookups,
+// masks and shifts: about 2 instructions per weight) is what sets the time; docs/perf.md has the profile.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -31,6 +33,7 @@
 #include <cstdint>
 
 #include "sm90_launch.cuh"
+#include "sm90_nvfp4_ptx.cuh"
 
 namespace fim {
 namespace sm90_nvfp4 {
@@ -38,8 +41,9 @@ namespace sm90_nvfp4 {
 constexpr int kThreads = 256;
 constexpr int kStageK = 256;  // K of one activation stage (four 64-deep spans)
 [[maybe_unused]] constexpr int kSpansPerStage = kStageK / 64;
-constexpr int kWStageBytes = 128 * kStageK / 2;   // 128 weight rows
-constexpr int kSStageBytes = 128 * kStageK / 16;  // their block scales
+constexpr int kWStageBytes = 128 * kStageK / 2;     // 128 weight rows
+constexpr int kSStageBytes = 128 * kStageK / 16;    // their block scales
+constexpr int kPairBytes = 128 * kStageK / 16 * 4;  // a stage's scales as duplicated bf16 pairs (scale_pairs)
 
 // The expansion's byte tables (bf16 low and high bytes of the E2M1 magnitudes), see expand4.
 [[maybe_unused]] __device__ const uint32_t kTables[4] = {0xC0800000u, 0xC0804000u, 0x3F3F3F00u, 0x40404040u};
@@ -58,44 +62,6 @@ struct Params {
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes into shared memory; src_bytes 0 fills zeros (rows past the group).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ uint2 lds64(uint32_t addr) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ float lds_f32(uint32_t addr) { return __uint_as_float(lds32(addr)); }
-
-__device__ __forceinline__ void sts(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
 
 // Shared-memory descriptor of a K-major [rows][64 bf16] tile with the 128-byte swizzle: 8-row atoms 1024 bytes
 // apart; a 16-deep k step moves the start address by 32 bytes.
@@ -155,69 +121,6 @@ __device__ __forceinline__ void scale_pairs(uint32_t v, uint32_t& p0, uint32_t& 
   p1 = *reinterpret_cast<const uint32_t*>(&b1);
 }
 
-// wgmma with A (the expanded weights) in registers and B (the activations) in shared memory, accumulating.
-__device__ __forceinline__ void wgmma_rs(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, "
-      "p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, "
-      "%35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
-// Keeps the compiler from moving register reads or writes across the asynchronous wgmma boundaries.
-template <int R>
-__device__ __forceinline__ void fence_regs(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-__device__ __forceinline__ void fence_regs(uint32_t (&a)[4][4]) {
-#pragma unroll
-  for (int c = 0; c < 4; ++c)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[c][i])::"memory");
-}
-
 __device__ __forceinline__ float gated(float gate, float up, int act, float alpha, float limit) {
   if (act == 1) return gate / (1.0f + __expf(-gate)) * up;
   const float g = fminf(gate, limit);
@@ -233,6 +136,11 @@ template <int T, bool GATED, int STAGES>
 __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int R = T / 2;  // accumulator floats per thread
+  // Fragment buffers: with two, a span's expansion runs while the previous span's wgmma group is in flight
+  // (ptxas would otherwise give every span's fragments the same registers, see the span loop). Only for 8-token
+  // tiles without the activation: elsewhere the extra 16 registers per thread, at the 128 that two CTAs per SM
+  // allow, measured slower (the gated 8-token tile 266 against 236 us, docs/perf.md).
+  constexpr int kBufs = (T == 8 && !GATED) ? 2 : 1;
   constexpr int kXBytes = T * kStageK * 2;
   constexpr int kStageBytes = kXBytes + kWStageBytes + kSStageBytes;
   extern __shared__ uint8_t smem_raw[];
@@ -263,7 +171,11 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid
   // Shared-memory offsets of this thread's weight bytes and scales within a stage (rows lr0 and lr0 + 8 are 1024
   // and 128 bytes further), and the low word of the descriptor of stage 0's first activation atom.
   const uint32_t w_thread = kXBytes + lr0 * 128 + 8 * q;
-  const uint32_t s_thread = kXBytes + kWStageBytes + lr0 * 16;
+  // This thread's converted scale pairs (row lr0 + 8 j is 512 bytes further), and the raw scales it converts
+  // for its warpgroup each stage (row wg * 64 + t / 2, groups 8 (t % 2) ... + 7, t its index in the warpgroup).
+  const uint32_t pairs = base + STAGES * kStageBytes;
+  const uint32_t s_thread = pairs + lr0 * 64;
+  const int conv_row = wg * 64 + ((threadIdx.x & 127) >> 1), conv_half = threadIdx.x & 1;
   const uint32_t desc_lo0 = (base >> 4) | (1u << 16);
 
   // The expansion's tables, read from memory so that ptxas keeps them in registers instead of rebuilding each
@@ -343,52 +255,72 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid
     float acc[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[i] = 0.0f;
-    uint32_t af[4][4];
+    uint32_t af[kBufs][4][4] = {};
 
     for (int st = 0; st < stages; ++st) {
-      // Stage st - 2's buffer is refilled below: every warpgroup's wgmma groups have completed once each thread
-      // passes this wait and the barrier.
-      wgmma_wait<0>();
+      // Stage st - 2's buffer is refilled below: every warpgroup's wgmma groups but the last (on stage st - 1)
+      // have completed once each thread passes this wait and the barrier.
+      wgmma_wait<kBufs - 1>();
       cp_async_wait<STAGES - 3>();
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> wgmma's reads
       __syncthreads();
       load_stage(st + STAGES - 2);
       const uint32_t buf = base + (st % STAGES) * kStageBytes;
-      const uint32_t w_addr = buf + w_thread, s_addr = buf + s_thread;
+      const uint32_t w_addr = buf + w_thread;
+      if (active) {
+        // The warpgroup's block scales of this stage, each converted once into the pairs its bf16x2 multiplies
+        // take (converted by every thread that reads them, they cost 20 of a span's ~75 integer-pipe
+        // instructions, the pipe that sets the time).
+        const uint2 raw = lds64(buf + kXBytes + kWStageBytes + conv_row * 16 + 8 * conv_half);
+        uint32_t pr[8];
+        scale_pairs(raw.x, pr[0], pr[1]);
+        scale_pairs(raw.x >> 16, pr[2], pr[3]);
+        scale_pairs(raw.y, pr[4], pr[5]);
+        scale_pairs(raw.y >> 16, pr[6], pr[7]);
+        const uint32_t dst = pairs + conv_row * 64 + 32 * conv_half;
+        sts128(dst, pr[0], pr[1], pr[2], pr[3]);
+        sts128(dst + 16, pr[4], pr[5], pr[6], pr[7]);
+        warpgroup_sync(wg);
+      }
       const uint32_t desc_stage = desc_lo0 + ((st % STAGES) * kStageBytes >> 4);
 #pragma unroll
       for (int d = 0; d < kSpansPerStage; ++d) {
-        const int i = st * kSpansPerStage + d;
+        const int i = st * kSpansPerStage + d, b = kBufs == 2 ? (d & 1) : 0;
         if (!active || i >= spans) continue;
-        // The previous span's group has completed: its registers, which the expansion below reuses, are free
-        // (ptxas gives every span's fragments the same registers).
-        wgmma_wait<0>();
+        // The group that last read af[b] has completed (with one buffer: the previous span's, waited for here,
+        // since ptxas gives every span's fragments the same registers; with two: the span before, waited for
+        // at the end of the previous span).
+        if constexpr (kBufs == 1) wgmma_wait<0>();
         // This thread's 8 bytes of span d in each of its rows (span d of row lr sits at 32 (d ^ lr % 4)).
         const uint32_t w_span = w_addr + ((d ^ w_swz) << 5);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const uint2 wv = lds64(w_span + 1024 * j);
-          const uint32_t sv = lds32(s_addr + 128 * j + 4 * d);
-          uint32_t sp[4], o[4];
-          scale_pairs(sv, sp[0], sp[1]);
-          scale_pairs(sv >> 16, sp[2], sp[3]);
-          expand4(tables, wv.x, sp[0], sp[1], o[0], o[1], o[2], o[3]);
-          af[0][j] = o[0];
-          af[0][2 + j] = o[1];
-          af[1][j] = o[2];
-          af[1][2 + j] = o[3];
-          expand4(tables, wv.y, sp[2], sp[3], o[0], o[1], o[2], o[3]);
-          af[2][j] = o[0];
-          af[2][2 + j] = o[1];
-          af[3][j] = o[2];
-          af[3][2 + j] = o[3];
+          const uint4 sp = lds128(s_thread + 512 * j + 16 * d);  // groups 4 d ... 4 d + 3
+          uint32_t o[4];
+          expand4(tables, wv.x, sp.x, sp.y, o[0], o[1], o[2], o[3]);
+          af[b][0][j] = o[0];
+          af[b][0][2 + j] = o[1];
+          af[b][1][j] = o[2];
+          af[b][1][2 + j] = o[3];
+          expand4(tables, wv.y, sp.z, sp.w, o[0], o[1], o[2], o[3]);
+          af[b][2][j] = o[0];
+          af[b][2][2 + j] = o[1];
+          af[b][3][j] = o[2];
+          af[b][3][2 + j] = o[3];
         }
-        fence_regs(af);
+        fence_regs(af[b]);
         fence_regs(acc);
         wgmma_fence();
 #pragma unroll
-        for (int c = 0; c < 4; ++c) wgmma_rs(acc, af[c], desc_b_lo(desc_stage + ((d * T * 128 + 32 * c) >> 4)));
+        for (int c = 0; c < 4; ++c) wgmma_rs(acc, af[b][c], desc_b_lo(desc_stage + ((d * T * 128 + 32 * c) >> 4)));
         wgmma_commit();
+        if constexpr (kBufs == 2) {
+          // The previous span's group has completed; the empty asm that takes its fragments as operands keeps
+          // ptxas from reusing their registers before this point.
+          wgmma_wait<1>();
+          fence_regs(af[b ^ 1]);
+        }
       }
     }
     wgmma_wait<0>();
@@ -447,14 +379,14 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid
 template <int T>
 constexpr int stages_for() {
   constexpr int bytes = T * kStageK * 2 + kWStageBytes + kSStageBytes;
-  constexpr int fit = (110 * 1024) / bytes;
+  constexpr int fit = (110 * 1024 - kPairBytes) / bytes;
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
 }
 
 template <int T, bool GATED>
 cudaError_t launch(const Params& p, int num_experts, cudaStream_t stream) {
   constexpr int kStages = stages_for<T>();
-  constexpr int kSmem = kStages * (T * kStageK * 2 + kWStageBytes + kSStageBytes) + 1024;
+  constexpr int kSmem = kStages * (T * kStageK * 2 + kWStageBytes + kSStageBytes) + kPairBytes + 1024;
   cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, GATED, kStages>>(kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.n_out + (GATED ? 63 : 127)) / (GATED ? 64 : 128), num_experts);
