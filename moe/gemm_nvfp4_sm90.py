@@ -35,18 +35,18 @@ SPEC = register(
 TILES = (8, 16, 32, 64)  # tokens per CTA tile (wgmma's N)
 # Where it takes a call by default: masked capacities up to MAX_CAPACITY, contiguous groups of up to MAX_MEAN_ROWS
 # rows on average. On an H200 (docs/perf.md) it led the Triton kernel at 8 and 16 rows per expert (249 vs 274 us
-# and 260 vs 292 us for 32 experts at (4096, 7168)), tied it at 64 and trailed it at 128 rows, and trailed it on
-# the contiguous layout of fused_moe with 256 experts (an idle CTA per expert and column block), so the
-# contiguous path is off by default. Both paths are tested with the limits raised. A group larger than a tile
+# and 260 vs 292 us for 32 experts at (4096, 7168)), tied it at 64 and trailed it at 128 rows; in fused_moe
+# (contiguous) it led at means of 1-4 rows per expert (DeepSeek-V3 layer, T = 1: 119 vs 141 us) and trailed at
+# 16 (E = 64, T = 128: 1153 vs 1088 us). Both paths are tested with the limits raised. A group larger than a tile
 # runs as several tiles, each reading the CTA's weight rows again (from L2).
 MAX_CAPACITY = 16
-MAX_MEAN_ROWS = 0
+MAX_MEAN_ROWS = 8
 MAX_EXPERTS = 65535  # one grid row per expert
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "fim_sm90_nvfp4_w4a16_grouped": (
-        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp, _int, _int, _int, _int, _int, _int, _float, _float, _int, _vp],
+        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp, _int, _int, _int, _int, _int, _int, _int, _float, _float, _int, _vp],
         _int,
     )
 }
@@ -104,6 +104,7 @@ def launch(a, w, w_block_scale, w_global_scale, out, counts, offsets, *, act, al
         out.data_ptr(),
         int(out.dtype == torch.float32),
         num_experts,
+        a.shape[0],
         capacity,
         nw,
         2 * half_k,

@@ -59,6 +59,10 @@ struct Params {
   int capacity, nw, k, n_out, gscale_stride;
   int act, out_f32;
   float alpha, limit;
+  int num_experts;
+  // Contiguous layout with fewer rows than experts: CTA row y serves the group that starts at row y (if any), so
+  // that the grid has min(rows, E) CTA rows, not one per expert, most of them idle at decode.
+  int row_map;
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -145,7 +149,23 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid
   constexpr int kStageBytes = kXBytes + kWStageBytes + kSStageBytes;
   extern __shared__ uint8_t smem_raw[];
 
-  const int e = blockIdx.y;
+  int e = blockIdx.y;
+  if (p.row_map) {
+    // The last group starting at or before row y (group starts never decrease); an empty group shares its start
+    // with the next, so the last of equal starts is the one holding rows.
+    const int y = blockIdx.y;
+    int lo = 0, hi = p.num_experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (__ldg(p.offsets + mid) <= y) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    if (__ldg(p.offsets + lo) != y) return;
+    e = lo;
+  }
   const int count = min(__ldg(p.counts + e), p.capacity);
   if (count <= 0) return;
   const int64_t first_row = p.offsets ? __ldg(p.offsets + e) : static_cast<int64_t>(e) * p.capacity;
@@ -384,27 +404,27 @@ constexpr int stages_for() {
 }
 
 template <int T, bool GATED>
-cudaError_t launch(const Params& p, int num_experts, cudaStream_t stream) {
+cudaError_t launch(const Params& p, int grid_rows, cudaStream_t stream) {
   constexpr int kStages = stages_for<T>();
   constexpr int kSmem = kStages * (T * kStageK * 2 + kWStageBytes + kSStageBytes) + kPairBytes + 1024;
   cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, GATED, kStages>>(kSmem);
   if (err != cudaSuccess) return err;
-  const dim3 grid((p.n_out + (GATED ? 63 : 127)) / (GATED ? 64 : 128), num_experts);
+  const dim3 grid((p.n_out + (GATED ? 63 : 127)) / (GATED ? 64 : 128), grid_rows);
   nvfp4_grouped_kernel<T, GATED, kStages><<<grid, kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <bool GATED>
-cudaError_t launch_tile(const Params& p, int num_experts, int tile, cudaStream_t stream) {
+cudaError_t launch_tile(const Params& p, int grid_rows, int tile, cudaStream_t stream) {
   switch (tile) {
     case 8:
-      return launch<8, GATED>(p, num_experts, stream);
+      return launch<8, GATED>(p, grid_rows, stream);
     case 16:
-      return launch<16, GATED>(p, num_experts, stream);
+      return launch<16, GATED>(p, grid_rows, stream);
     case 32:
-      return launch<32, GATED>(p, num_experts, stream);
+      return launch<32, GATED>(p, grid_rows, stream);
     case 64:
-      return launch<64, GATED>(p, num_experts, stream);
+      return launch<64, GATED>(p, grid_rows, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -414,14 +434,16 @@ cudaError_t launch_tile(const Params& p, int num_experts, int tile, cudaStream_t
 }  // namespace fim
 
 // tile: tokens per CTA tile (8, 16, 32 or 64); act 0 (none: out [rows, nw]) or 1/2 (gated: out [rows, nw / 2]);
-// offsets null for the masked layout (capacity C), else the contiguous layout's group starts (capacity: a bound).
-// K a multiple of 64, nw (and nw / 2 when gated) a multiple of 64, all pointers 16-byte aligned.
+// offsets null for the masked layout (capacity C), else the contiguous layout's group starts, non-decreasing
+// (capacity: a bound); rows: the rows of a (at least 1). K a multiple of 64, nw (and nw / 2 when gated) a
+// multiple of 64, all pointers 16-byte aligned.
 extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const void* scale, const float* gscale,
                                             int gscale_stride, const int32_t* counts, const int32_t* offsets, void* out,
-                                            int out_f32, int num_experts, int capacity, int nw, int k, int act,
-                                            float alpha, float limit, int tile, void* stream) {
+                                            int out_f32, int num_experts, int rows, int capacity, int nw, int k,
+                                            int act, float alpha, float limit, int tile, void* stream) {
   using namespace fim::sm90_nvfp4;
-  if (k % 64 || nw % 64 || (act && nw % 128) || capacity <= 0) return cudaErrorInvalidValue;
+  if (k % 64 || nw % 64 || (act && nw % 128) || capacity <= 0 || rows <= 0) return cudaErrorInvalidValue;
+  const int row_map = offsets != nullptr && rows < num_experts;
   const Params p{static_cast<const __nv_bfloat16*>(a),
                  static_cast<const uint8_t*>(w),
                  static_cast<const uint8_t*>(scale),
@@ -437,7 +459,10 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
                  act,
                  out_f32,
                  alpha,
-                 limit};
+                 limit,
+                 num_experts,
+                 row_map};
   const auto s = static_cast<cudaStream_t>(stream);
-  return act ? launch_tile<true>(p, num_experts, tile, s) : launch_tile<false>(p, num_experts, tile, s);
+  const int grid_rows = row_map ? rows : num_experts;
+  return act ? launch_tile<true>(p, grid_rows, tile, s) : launch_tile<false>(p, grid_rows, tile, s);
 }
