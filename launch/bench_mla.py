@@ -25,7 +25,8 @@ Everything is timed as medians of CUDA-graph replays (plan + decode in one graph
 combine kernels included). ``--sweep`` times kernel configurations (tokens per tile, warps, stages,
 programs per SM) per (h_q, s_q) class at s_k 8192, page 64, for ``mla/decode.py``'s ``CONFIGS`` (``--tma``: those
 of the TMA tile loads, ``TMA_CONFIGS``). ``--paths old,new`` times each row twice: ``new`` the default dispatch
-(TMA tile loads where the cache's layout allows them), ``old`` the gathered pointer loads forced.
+(TMA tile loads where the cache's layout allows them), ``old`` the gathered pointer loads forced; ``fp8_bf16``
+the default with FP8 pages widened to bf16 (``FP8_F16_MATH`` off) instead of fp16.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from flashinfer_moe import reference_mla as ref_mla  # noqa: E402
 from flashinfer_moe.mla import decode as D  # noqa: E402
+from flashinfer_moe.mla import decode_kernel as DK  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 DEV = "cuda"
@@ -114,14 +116,17 @@ def queries(heads: int, s_q: int, gen_seed: int = 0):
 @contextlib.contextmanager
 def forced_path(path: str):
     """``old``: the gathered pointer loads where the default would take the TMA ones (mla_decode reads
-    ``TMA_CONFIGS`` when it launches, so a graph captured inside keeps the choice); ``new``: the default."""
-    saved = D.TMA_CONFIGS
+    ``TMA_CONFIGS`` when it launches, so a graph captured inside keeps the choice); ``fp8_bf16``: FP8 pages
+    widened to bf16 (``FP8_F16_MATH`` off, read at launch too); ``new``: the default."""
+    saved, saved_f16 = D.TMA_CONFIGS, DK.FP8_F16_MATH
     if path == "old":
         D.TMA_CONFIGS = {}
+    if path == "fp8_bf16":
+        DK.FP8_F16_MATH = False
     try:
         yield
     finally:
-        D.TMA_CONFIGS = saved
+        D.TMA_CONFIGS, DK.FP8_F16_MATH = saved, saved_f16
 
 
 def time_ours(cache: Cache, q_nope, q_pe, config: dict | None = None, path: str = "new") -> float:
@@ -517,7 +522,9 @@ def main() -> int:
     parser.add_argument("--classes", default="16x1,16x2,64x1,128x2", help="sweep: h_q x s_q classes")
     parser.add_argument("--tma", action="store_true", help="sweep: the TMA tile-load configurations")
     parser.add_argument("--configs", nargs="*", help="sweep --tma: configurations as JSON objects instead")
-    parser.add_argument("--paths", default="new", help="old (gathered loads forced) and/or new (default dispatch)")
+    parser.add_argument(
+        "--paths", default="new", help="old (gathered loads forced), fp8_bf16 (FP8 widened to bf16), new (default)"
+    )
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

@@ -7,8 +7,10 @@ Attention. Rows of the dot products are (new token, head) pairs of one sequence,
 program (grid axis 0, varying fastest, so the row blocks that read the same pages run together and share
 them in L2); columns are ``BLOCK_N`` cached tokens, each token's page found in the block table (which makes
 page size 1 the same code as page 64). Scores are ``q_nope . ckv + q_pe . kpe`` on tensor cores, the online
-softmax in base 2, the values the first 512 columns of the same tile. FP8 pages are widened to the query
-dtype in registers after the load; their scale multiplies the scores and the output instead. Where the pages
+softmax in base 2, the values the first 512 columns of the same tile. FP8 pages are widened in registers after
+the load (to fp16 under bf16 queries in small row blocks, ``FP8_F16_MATH``; else to the query dtype); their scale
+multiplies the scores and the output instead. The gathered loads and the fold of a tile are in
+``mla/decode_tile.py``. Where the pages
 hold whole tiles in a contiguous pool (``TMA``), a piece's tiles come by TMA instead (``mla/decode_tma.py``).
 
 Imported only where a kernel is launched (never on the CPU path), so that ``TRITON_INTERPRET=1`` can be set
@@ -23,11 +25,12 @@ import triton
 import triton.language as tl
 
 from .decode_combine import combine_kernel as _combine_kernel
+from .decode_tile import D_LATENT, D_ROPE
+from .decode_tile import fold as _fold
+from .decode_tile import load_tile as _load_tile
 from .decode_tma import attend_tma, descriptors
 from .plan_kernel import OVERHEAD, UNIT
 
-D_LATENT = 512
-D_ROPE = 64
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -35,95 +38,19 @@ LN2 = 0.6931471805599453
 # to fp32 first (exact), the compiled kernel never does.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+# FP8 pages under bf16 queries, up to FP8_F16_MAX_ROWS query rows (s_q x h_q) or in pages of one token, are
+# widened to fp16, not bf16, with the queries (times the softmax scale) in fp16 too: E4M3 -> fp16 is one
+# conversion per two values, E4M3 -> bf16 several, and the widening is on the critical path there (on an H200
+# 1.2-1.4x faster up to 32 rows, 1.1x at page 1 with more; 0.84-0.87x with 64 rows or more at page 64,
+# docs/perf.md). fp16 holds every E4M3 value exactly; scaled queries beyond its range (65504) would overflow.
+FP8_F16_MATH = True
+FP8_F16_MAX_ROWS = 32
+
 _UNIT = tl.constexpr(UNIT)
 _OVERHEAD = tl.constexpr(OVERHEAD)
 _DL = tl.constexpr(D_LATENT)
 _DR = tl.constexpr(D_ROPE)
 _LN2 = tl.constexpr(LN2)
-
-
-@triton.jit
-def _load_tile(
-    ckv_ptr,
-    kpe_ptr,
-    bt_row,
-    t,
-    tok_hi,
-    stride_ckv_p,
-    stride_ckv_t,
-    stride_kpe_p,
-    stride_kpe_t,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """The cached tokens ``t .. t + BLOCK_N`` as stored: latent `[512, BLOCK_N]` and rope `[64, BLOCK_N]`
-    (transposed: the scores' B operand as it is; the values are its transpose)."""
-    n = t + tl.arange(0, BLOCK_N)
-    dl = tl.arange(0, _DL)
-    dr = tl.arange(0, _DR)
-    in_range = n < tok_hi
-    if PAGE >= BLOCK_N:  # one page holds the tile
-        page = tl.load(bt_row + t // PAGE).to(tl.int64)
-        slot = (n % PAGE).to(tl.int64)
-        ckv_rows = page * stride_ckv_p + slot * stride_ckv_t
-        kpe_rows = page * stride_kpe_p + slot * stride_kpe_t
-    else:
-        if MASKED:
-            pages = tl.load(bt_row + n // PAGE, mask=in_range, other=0).to(tl.int64)
-        else:
-            pages = tl.load(bt_row + n // PAGE).to(tl.int64)
-        slot = (n % PAGE).to(tl.int64)
-        ckv_rows = pages * stride_ckv_p + slot * stride_ckv_t
-        kpe_rows = pages * stride_kpe_p + slot * stride_kpe_t
-    if MASKED:
-        ckv_t = tl.load(ckv_ptr + ckv_rows[None, :] + dl[:, None], mask=in_range[None, :], other=0.0)
-        kpe_t = tl.load(kpe_ptr + kpe_rows[None, :] + dr[:, None], mask=in_range[None, :], other=0.0)
-    else:
-        ckv_t = tl.load(ckv_ptr + ckv_rows[None, :] + dl[:, None])
-        kpe_t = tl.load(kpe_ptr + kpe_rows[None, :] + dr[:, None])
-    return ckv_t, kpe_t
-
-
-@triton.jit
-def _fold(
-    acc,
-    m_i,
-    l_i,
-    qn,
-    qp,
-    ckv_t,
-    kpe_t,
-    t,
-    tok_hi,
-    row_vis,
-    nope_scale,
-    pe_scale,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    MIXED: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """One loaded tile folded into the running ``(acc, m_i, l_i)``."""
-    ckv_t = ckv_t.to(qn.dtype)
-    kpe_t = kpe_t.to(qp.dtype)
-    if MIXED:  # FP8 latent with a bf16/fp16 rope: the two parts have different scales
-        s = tl.dot(qn, ckv_t) * nope_scale + tl.dot(qp, kpe_t) * pe_scale
-    else:
-        s = tl.dot(qp, kpe_t, acc=tl.dot(qn, ckv_t)) * nope_scale
-    if MASKED:
-        n = t + tl.arange(0, BLOCK_N)
-        s = tl.where(n[None, :] < tl.minimum(row_vis, tok_hi)[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p, tl.trans(ckv_t), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(ckv_t.dtype), tl.trans(ckv_t))
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -179,6 +106,7 @@ def _decode_kernel(
     MIXED: tl.constexpr,
     TMA: tl.constexpr,
     SWAP: tl.constexpr,
+    F16: tl.constexpr,
 ):
     mb = tl.program_id(0)
     p = tl.program_id(1)
@@ -200,6 +128,10 @@ def _decode_kernel(
             kv_scale = kv_scale_value
     nope_scale = qk_scale * kv_scale if KV_FP8 else qk_scale
     pe_scale = qk_scale * kv_scale if KPE_FP8 else qk_scale
+    if F16:  # the queries carry qk_scale (see FP8_F16_MATH); the rope part of MIXED stays in the query dtype
+        nope_scale = kv_scale
+        if KPE_FP8:
+            pe_scale = kv_scale
     out_scale = kv_scale if KV_FP8 else 1.0
 
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -246,6 +178,10 @@ def _decode_kernel(
             if UPCAST:
                 qn = qn.to(tl.float32)
                 qp = qp.to(tl.float32)
+            if F16:
+                qn = (qn.to(tl.float32) * qk_scale).to(tl.float16)
+                if KPE_FP8:
+                    qp = (qp.to(tl.float32) * qk_scale).to(tl.float16)
             acc = tl.zeros([BLOCK_M, _DL], dtype=tl.float32)
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -424,6 +360,9 @@ def launch_decode(
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     block_n = config["BLOCK_N"]
     tma = bool(config.get("TMA", 0)) and tma_layout(ckv, kpe, block_n)
+    f16 = FP8_F16_MATH and (rows <= FP8_F16_MAX_ROWS or ckv.shape[1] == 1)
+    f16 = f16 and ckv.dtype == fp8 and q_nope.dtype == torch.bfloat16
+    f16 = f16 and not (upcast or tma)
     grid = (triton.cdiv(rows, block_m), num_programs)
     _decode_kernel[grid](
         q_nope,
@@ -468,6 +407,7 @@ def launch_decode(
         MIXED=ckv.dtype == fp8 and kpe.dtype != fp8,
         TMA=tma,
         SWAP=tma and bool(config.get("SWAP", 0)),
+        F16=f16,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-D_LATENT = 512
-D_ROPE = 64
+from .decode_tile import D_LATENT, D_ROPE
+
 HALF = D_LATENT // 2
 _HALF = tl.constexpr(HALF)
 _DR = tl.constexpr(D_ROPE)
