@@ -59,6 +59,25 @@ def load_tile(
 
 
 @triton.jit
+def softmax_step(s, m_i, l_i, t, tok_hi, row_vis, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, AXIS: tl.constexpr):
+    """One tile's scores ``s`` (the tokens along ``AXIS``: `[BLOCK_M, BLOCK_N]` with 1, `[BLOCK_N, BLOCK_M]` with
+    0), masked past each row's visible tokens where ``MASKED``, folded into the online softmax in base 2:
+    ``(p, alpha, m_new, l_new)``. A row that has seen nothing yet keeps its maximum at 0."""
+    if MASKED:
+        n = t + tl.arange(0, BLOCK_N)
+        vis = tl.minimum(row_vis, tok_hi)
+        if AXIS == 1:
+            s = tl.where(n[None, :] < vis[:, None], s, float("-inf"))
+        else:
+            s = tl.where(n[:, None] < vis[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, AXIS))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - tl.expand_dims(m_use, AXIS))
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, AXIS)
+
+
+@triton.jit
 def fold(
     acc,
     m_i,
@@ -84,14 +103,7 @@ def fold(
         s = tl.dot(qn, ckv_t) * nope_scale + tl.dot(qp, kpe_t) * pe_scale
     else:
         s = tl.dot(qp, kpe_t, acc=tl.dot(qn, ckv_t)) * nope_scale
-    if MASKED:
-        n = t + tl.arange(0, BLOCK_N)
-        s = tl.where(n[None, :] < tl.minimum(row_vis, tok_hi)[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = softmax_step(s, m_i, l_i, t, tok_hi, row_vis, BLOCK_N, MASKED, 1)
     if UPCAST:
         acc = acc * alpha[:, None] + tl.dot(p, tl.trans(ckv_t), input_precision="ieee")
     else:

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .decode_tile import D_LATENT, D_ROPE
+from .decode_tile import D_LATENT, D_ROPE, softmax_step
 
 HALF = D_LATENT // 2
 _HALF = tl.constexpr(HALF)
@@ -102,14 +102,7 @@ def _fold_plain(
         s = (tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb))) * nope_scale + tl.dot(qp, tl.trans(kp)) * pe_scale
     else:
         s = tl.dot(qp, tl.trans(kp), acc=tl.dot(qb, tl.trans(kb), acc=tl.dot(qa, tl.trans(ka)))) * nope_scale
-    if MASKED:
-        n = t + tl.arange(0, BLOCK_N)
-        s = tl.where(n[None, :] < tl.minimum(row_vis, tok_hi)[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = softmax_step(s, m_i, l_i, t, tok_hi, row_vis, BLOCK_N, MASKED, 1)
     if UPCAST:
         acc_a = acc_a * alpha[:, None] + tl.dot(p, ka, input_precision="ieee")
         acc_b = acc_b * alpha[:, None] + tl.dot(p, kb, input_precision="ieee")
@@ -148,14 +141,7 @@ def _fold_swapped(
         s = (tl.dot(ka, qa) + tl.dot(kb, qb)) * nope_scale + tl.dot(kp, qp) * pe_scale
     else:
         s = tl.dot(kp, qp, acc=tl.dot(kb, qb, acc=tl.dot(ka, qa))) * nope_scale
-    if MASKED:
-        n = t + tl.arange(0, BLOCK_N)
-        s = tl.where(n[:, None] < tl.minimum(row_vis, tok_hi)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[None, :])
-    l_i = l_i * alpha + tl.sum(p, 0)
+    p, alpha, m_new, l_i = softmax_step(s, m_i, l_i, t, tok_hi, row_vis, BLOCK_N, MASKED, 0)
     if UPCAST:
         acc_a = acc_a * alpha[None, :] + tl.dot(tl.trans(ka), p, input_precision="ieee")
         acc_b = acc_b * alpha[None, :] + tl.dot(tl.trans(kb), p, input_precision="ieee")

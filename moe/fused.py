@@ -15,8 +15,7 @@ from flashinfer_moe import _checks
 
 from . import gemm, gemm_nvfp4
 from .layout import moe_align_contiguous
-from .packed import PackedFp8BlockWeights
-from .packed_nvfp4 import PackedNvfp4Weights
+from .packed import PackedFp8BlockWeights, PackedWeights
 from .permute import combine, permute, permute_fp8_per_tensor, permute_fp8_per_token_group
 from .quant import FLOATS, FP8, quantize_fp8_per_tensor
 
@@ -146,7 +145,7 @@ def fused_moe(
     if routed_scaling_factor is not None:
         _checks.positive_float("routed_scaling_factor", routed_scaling_factor)
     for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        t = t.data if isinstance(t, (PackedFp8BlockWeights, PackedNvfp4Weights)) else t
+        t = t.data if isinstance(t, PackedWeights) else t
         _checks.same_device(name, _checks.tensor(name, t), "hidden_states", hidden)
     out_dtype = hidden.dtype
     act = dict(activation=activation, alpha=alpha, limit=limit)

@@ -36,7 +36,24 @@ def packed_shape(e: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     return e, n // ROWS, k // DEPTH, ROWS, DEPTH
 
 
-class PackedFp8BlockWeights:
+class PackedWeights:
+    """Base of the packed weight classes: the permuted tensor ``data``, with its device and dtype."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+
+class PackedFp8BlockWeights(PackedWeights):
     """Expert weights `[E, N, K]` packed by :func:`pack_fp8_block_weights`; the block-scaled grouped GEMMs
     (and :func:`fused_moe`) take them in place of ``w``, with the unchanged ``w_scale``.
 
@@ -46,10 +63,10 @@ class PackedFp8BlockWeights:
             accepted with an activation, and plain ones only without.
     """
 
-    __slots__ = ("data", "gated")
+    __slots__ = ("gated",)
 
     def __init__(self, data: torch.Tensor, gated: bool):
-        self.data = data
+        super().__init__(data)
         self.gated = bool(gated)
 
     @property
@@ -57,14 +74,6 @@ class PackedFp8BlockWeights:
         """``(E, N, K)`` of the weights before packing."""
         e, tiles, blocks, _, _ = self.data.shape
         return e, tiles * ROWS, blocks * DEPTH
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
 
     def unpack(self) -> torch.Tensor:
         """The `[E, N, K]` weights these were packed from."""

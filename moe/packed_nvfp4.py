@@ -21,13 +21,15 @@ import torch
 
 from flashinfer_moe import _checks
 
+from .packed import PackedWeights
+
 __all__ = ["PackedNvfp4Weights", "pack_nvfp4_weights"]
 
 K_MULTIPLE = 64  # K elements per permuted span (32 bytes)
 _SPAN = K_MULTIPLE // 2
 
 
-class PackedNvfp4Weights:
+class PackedNvfp4Weights(PackedWeights):
     """NVFP4 expert weights `[E, N, K / 2]` K-permuted by :func:`pack_nvfp4_weights`; the NVFP4 grouped GEMMs,
     :func:`fused_moe` and the layers take them in place of ``w``, with the unchanged block and global scales.
 
@@ -35,23 +37,12 @@ class PackedNvfp4Weights:
         data: `[E, N, K / 2]` uint8 in the permuted byte order.
     """
 
-    __slots__ = ("data",)
-
-    def __init__(self, data: torch.Tensor):
-        self.data = data
+    __slots__ = ()
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """``(E, N, K / 2)``, the plain weights' shape."""
         return tuple(self.data.shape)
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
 
     def unpack(self) -> torch.Tensor:
         """The plain `[E, N, K / 2]` weights these were permuted from."""

@@ -30,3 +30,14 @@ def rng():
     """``(seed, generator)``: fresh random inputs every run, the seed to put in failure messages."""
     seed = int.from_bytes(os.urandom(4), "little")
     return seed, torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def nvfp4_kernel():
+    """The Triton kernel module (``moe/gemm_nvfp4_kernel.py``), on a GPU or under the interpreter selected before
+    it was imported."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton interpreter was not selected before the kernel module was imported")
+    from flashinfer_moe.moe import gemm_nvfp4_kernel
+
+    return gemm_nvfp4_kernel

@@ -1,5 +1,5 @@
-"""Random NVFP4 expert weights as ModelOpt stores them, and their float64 dequantization, shared by the CPU,
-interpreter and GPU tests of the NVFP4 grouped GEMMs and MoE layer."""
+"""Random NVFP4 expert weights as ModelOpt stores them, their float64 dequantization, and a launcher of the
+Triton kernel (its fixture, ``nvfp4_kernel``, is in conftest.py), shared by the CPU, interpreter and GPU tests of the NVFP4 grouped GEMMs and MoE layer."""
 
 import torch
 
@@ -53,3 +53,23 @@ def grouped_reference(a, w, block_scale, global_scale, counts, offsets, activati
             rows = slice(start, start + count)
             out[rows] = ref.activation(a2[rows] @ we.T, activation)
     return out
+
+
+def launch_kernel(kernel, a, w, s, gs, out, counts, offsets, act, capacity, kperm=False, **cfg):
+    """One launch of the Triton kernel with a small tile config (``cfg`` overrides it)."""
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2, GROUP_M=2) | cfg
+    kernel.launch(
+        a,
+        w,
+        s,
+        gs,
+        out,
+        counts,
+        offsets,
+        act=act,
+        alpha=1.702,
+        limit=7.0,
+        capacity=capacity,
+        config=config,
+        kperm=kperm,
+    )

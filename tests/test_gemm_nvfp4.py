@@ -1,13 +1,11 @@
 """NVFP4-weight grouped GEMMs (W4A16) and fused_moe(quant="nvfp4") on the CPU tier: the public wrappers (CPU
 path), the Triton kernel in Triton's interpreter, and bad input."""
 
-import os
-
 import pytest
 import torch
 from checks import assert_error_names_argument
 from gemm_cases import contiguous_layout, owned_rows, rel_err
-from nvfp4_cases import FP8, dequantized, nvfp4_weights
+from nvfp4_cases import FP8, dequantized, launch_kernel, nvfp4_weights
 
 import flashinfer_moe as fm
 from flashinfer_moe import reference as ref
@@ -87,21 +85,7 @@ def test_fused_moe_cpu_matches_reference(rng, num_tokens, dtype):
 # ------------------------------------------------------------------------- the kernel, interpreted
 
 
-@pytest.fixture
-def kernel():
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton interpreter was not selected before the kernel module was imported")
-    from flashinfer_moe.moe import gemm_nvfp4_kernel
-
-    return gemm_nvfp4_kernel
-
-
-def _launch(kernel, a, w, s, gs, out, counts, offsets, act, capacity, **cfg):
-    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2, GROUP_M=2) | cfg
-    kernel.launch(a, w, s, gs, out, counts, offsets, act=act, alpha=1.702, limit=7.0, capacity=capacity, config=config)
-
-
-def test_kernel_expands_every_code_exactly(kernel, rng):
+def test_kernel_expands_every_code_exactly(nvfp4_kernel, rng):
     """a = I: the output is the expanded weights themselves, every E2M1 code under E4M3 scales from the
     subnormal 2**-9 to 448, compared bit for bit with the reference dequantization."""
     seed, g = rng
@@ -115,7 +99,7 @@ def test_kernel_expands_every_code_exactly(kernel, rng):
     eye = torch.eye(k, dtype=torch.float16)
     out = torch.full((k, n), float("nan"))
     counts, offsets = torch.tensor([k], dtype=torch.int32), torch.tensor([0, k], dtype=torch.int32)
-    _launch(kernel, eye, w, s, torch.ones(1), out, counts, offsets, 0, 2**31 - 1, BLOCK_M=32, BLOCK_N=16)
+    launch_kernel(nvfp4_kernel, eye, w, s, torch.ones(1), out, counts, offsets, 0, 2**31 - 1, BLOCK_M=32, BLOCK_N=16)
     want = rq.dequantize_nvfp4(w, s, 1.0)[0]  # [N, K]
     assert torch.equal(out.t(), want), seed
 
@@ -123,14 +107,14 @@ def test_kernel_expands_every_code_exactly(kernel, rng):
 @pytest.mark.parametrize("act", [0, 1, 2])
 @pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize("n, k", [(96, 160), (64, 128)])  # N not a multiple of BLOCK_N; K not of BLOCK_K
-def test_kernel_contiguous_interpreted(rng, kernel, act, swap, n, k):
+def test_kernel_contiguous_interpreted(rng, nvfp4_kernel, act, swap, n, k):
     seed, g = rng
     counts = torch.tensor([5, 0, 17, 1], dtype=torch.int32)
     offsets = torch.tensor([0, 8, 8, 32, 40], dtype=torch.int32)  # padded starts, as block_rows=8 makes them
     a = torch.randn(40, k, generator=g).half()  # fp16: the interpreter's bf16 dot reads raw bits (test_gemm.py)
     w, s, gs = nvfp4_weights(4, n, k, g, gated=act != 0)
     out = torch.full((40, n // 2 if act else n), float("nan"))
-    _launch(kernel, a, w, s, gs, out, counts, offsets, act, 2**31 - 1, SWAP_AB=swap)
+    launch_kernel(nvfp4_kernel, a, w, s, gs, out, counts, offsets, act, 2**31 - 1, SWAP_AB=swap)
     want = _reference(a, w, s, gs, counts, offsets, ACTS[act])
     owned = owned_rows(counts, offsets, 40)
     assert rel_err(out[owned], want[owned]) < 1e-5, seed
@@ -138,14 +122,14 @@ def test_kernel_contiguous_interpreted(rng, kernel, act, swap, n, k):
 
 
 @pytest.mark.parametrize("act", [0, 1])
-def test_kernel_masked_interpreted(rng, kernel, act):
+def test_kernel_masked_interpreted(rng, nvfp4_kernel, act):
     seed, g = rng
     num_experts, capacity, n, k = 3, 19, 64, 96
     a = torch.randn(num_experts * capacity, k, generator=g).half()
     w, s, gs = nvfp4_weights(num_experts, n, k, g, gated=act != 0)
     counts = torch.tensor([19, 0, 30], dtype=torch.int32)  # 30 > C: clamped
     out = torch.full((num_experts * capacity, n // 2 if act else n), float("nan"), dtype=torch.float16)
-    _launch(kernel, a, w, s, gs, out, counts, None, act, capacity, BLOCK_K=32)
+    launch_kernel(nvfp4_kernel, a, w, s, gs, out, counts, None, act, capacity, BLOCK_K=32)
     clamped = counts.clamp(max=capacity)
     offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
     want = _reference(a, w, s, gs, clamped, offsets, ACTS[act])

@@ -1,13 +1,11 @@
 """K-permuted NVFP4 weights (``pack_nvfp4_weights``): the permutation itself, the in-place repacking, the
 public GEMMs and fused_moe on the CPU path, the Triton kernel in Triton's interpreter, and bad input."""
 
-import os
-
 import pytest
 import torch
 from checks import assert_error_names_argument
 from gemm_cases import contiguous_layout, owned_rows, rel_err
-from nvfp4_cases import FP8, dequantized, nvfp4_weights
+from nvfp4_cases import FP8, dequantized, launch_kernel, nvfp4_weights
 
 import flashinfer_moe as fm
 from flashinfer_moe import reference as ref
@@ -123,23 +121,7 @@ def test_packed_weights_with_k_not_a_multiple_of_64_are_refused(generator):
 # ------------------------------------------------------------------------- the kernel, interpreted
 
 
-@pytest.fixture
-def kernel():
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton interpreter was not selected before the kernel module was imported")
-    from flashinfer_moe.moe import gemm_nvfp4_kernel
-
-    return gemm_nvfp4_kernel
-
-
-def _launch(kernel, a, w, s, gs, out, counts, offsets, act, capacity, **cfg):
-    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2, GROUP_M=2) | cfg
-    kernel.launch(
-        a, w, s, gs, out, counts, offsets, act=act, alpha=1.702, limit=7.0, capacity=capacity, config=config, kperm=True
-    )
-
-
-def test_kernel_expands_permuted_codes_exactly(kernel, rng):
+def test_kernel_expands_permuted_codes_exactly(nvfp4_kernel, rng):
     """a = I on K-permuted weights: every code under random E4M3 scales, bit for bit with the reference."""
     seed, g = rng
     n, k = 16, 128
@@ -151,14 +133,28 @@ def test_kernel_expands_permuted_codes_exactly(kernel, rng):
     out = torch.full((k, n), float("nan"))
     counts, offsets = torch.tensor([k], dtype=torch.int32), torch.tensor([0, k], dtype=torch.int32)
     packed = fm.pack_nvfp4_weights(w).data
-    _launch(kernel, eye, packed, s, torch.ones(1), out, counts, offsets, 0, 2**31 - 1, BLOCK_M=32, BLOCK_N=16)
+    launch_kernel(
+        nvfp4_kernel,
+        eye,
+        packed,
+        s,
+        torch.ones(1),
+        out,
+        counts,
+        offsets,
+        0,
+        2**31 - 1,
+        BLOCK_M=32,
+        BLOCK_N=16,
+        kperm=True,
+    )
     assert torch.equal(out.t(), rq.dequantize_nvfp4(w, s, 1.0)[0]), seed
 
 
 @pytest.mark.parametrize("act", [0, 1])
 @pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize("k, block_k", [(192, 128), (128, 64)])  # 192: a last step of one span and zeros
-def test_kernel_permuted_interpreted(rng, kernel, act, swap, k, block_k):
+def test_kernel_permuted_interpreted(rng, nvfp4_kernel, act, swap, k, block_k):
     seed, g = rng
     n = 96
     counts = torch.tensor([5, 0, 11], dtype=torch.int32)
@@ -167,7 +163,9 @@ def test_kernel_permuted_interpreted(rng, kernel, act, swap, k, block_k):
     w, s, gs = nvfp4_weights(3, n, k, g, gated=act != 0)
     out = torch.full((24, n // 2 if act else n), float("nan"))
     packed = fm.pack_nvfp4_weights(w).data
-    _launch(kernel, a, packed, s, gs, out, counts, offsets, act, 2**31 - 1, SWAP_AB=swap, BLOCK_K=block_k)
+    launch_kernel(
+        nvfp4_kernel, a, packed, s, gs, out, counts, offsets, act, 2**31 - 1, SWAP_AB=swap, BLOCK_K=block_k, kperm=True
+    )
     want = ref.grouped_gemm(a, dequantized(w, s, gs), counts, offsets, activation_kind=[None, "silu"][act])
     owned = owned_rows(counts, offsets, 24)
     assert rel_err(out[owned], want[owned]) < 1e-5, seed

@@ -1,20 +1,27 @@
 // PTX wrappers of the Hopper NVFP4 grouped GEMM (sm90_nvfp4_w4a16_grouped.cu): cp.async copies, shared-memory
 // loads and stores, warpgroup barriers, and wgmma with its A operand in registers (m64 x n{8, 16, 32, 64} x k16,
-// bf16 inputs, fp32 accumulators).
+// bf16 inputs, fp32 accumulators); the helpers it shares with the FP8 wgmma kernels come from
+// sm90_wgmma_common.cuh.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "sm90_wgmma_common.cuh"
+
 namespace fim {
 namespace sm90_nvfp4 {
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+// Shared with the FP8 wgmma kernels.
+using sm90_wgmma::fence_regs;
+using sm90_wgmma::lds;
+using sm90_wgmma::lds128;
+using sm90_wgmma::smem_u32;
+using sm90_wgmma::sts;
+using sm90_wgmma::wgmma_wait;
 
 // 16 bytes into shared memory; src_bytes 0 fills zeros (rows past the group).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
@@ -41,21 +48,6 @@ __device__ __forceinline__ uint2 lds64(uint32_t addr) {
 __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ float lds_f32(uint32_t addr) { return __uint_as_float(lds32(addr)); }
-
-__device__ __forceinline__ void sts(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
   return v;
 }
 
@@ -117,18 +109,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4],
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
-// Keeps the compiler from moving register reads or writes across the asynchronous wgmma boundaries.
-template <int R>
-__device__ __forceinline__ void fence_regs(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
+// The register operand's fragments, likewise (accumulators: sm90_wgmma::fence_regs).
 __device__ __forceinline__ void fence_regs(uint32_t (&a)[4][4]) {
 #pragma unroll
   for (int c = 0; c < 4; ++c)

@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid
       }
       const float g1 = __ldg(p.gscale + e * p.gscale_stride + p.gscale_stride - 1);
 #pragma unroll
-      for (int i = 0; i < R; ++i) acc[i] = gated(acc[i] * g0, lds_f32(xchg + 512 * i) * g1, p.act, p.alpha, p.limit);
+      for (int i = 0; i < R; ++i) acc[i] = gated(acc[i] * g0, lds(xchg + 512 * i) * g1, p.act, p.alpha, p.limit);
     } else {
       if (!active) continue;
 #pragma unroll
