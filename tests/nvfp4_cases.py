@@ -1,5 +1,6 @@
 """Random NVFP4 expert weights as ModelOpt stores them, their float64 dequantization, and a launcher of the
-Triton kernel (its fixture, ``nvfp4_kernel``, is in conftest.py), shared by the CPU, interpreter and GPU tests of the NVFP4 grouped GEMMs and MoE layer."""
+Triton kernel (its fixture, ``nvfp4_kernel``, is in conftest.py), shared by the CPU, interpreter and GPU tests of
+the NVFP4 grouped GEMMs and MoE layer."""
 
 import torch
 

@@ -79,16 +79,7 @@ __device__ __forceinline__ int64_t first_row(const Params& p, int e) {
 __device__ __forceinline__ void locate(const Params& p, const int* tile_start, int n_tiles, int t, int& e, int& mi,
                                        int& ni) {
   const int key = t / n_tiles;
-  int lo = 0, hi = p.num_groups - 1;  // the last expert whose first m tile is at or before key
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (tile_start[mid] <= key) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  e = lo;
+  e = last_at_or_before(tile_start, p.num_groups, key);  // the last expert whose first m tile is at or before key
   const int m_tiles = tile_start[e + 1] - tile_start[e];
   const int local = t - tile_start[e] * n_tiles;
   const int s = p.swizzle;

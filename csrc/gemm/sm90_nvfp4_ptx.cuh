@@ -17,6 +17,7 @@ namespace sm90_nvfp4 {
 
 // Shared with the FP8 wgmma kernels.
 using sm90_wgmma::fence_regs;
+using sm90_wgmma::last_at_or_before;
 using sm90_wgmma::lds;
 using sm90_wgmma::lds128;
 using sm90_wgmma::smem_u32;

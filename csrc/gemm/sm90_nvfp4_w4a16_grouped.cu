@@ -154,17 +154,8 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid
     // The last group starting at or before row y (group starts never decrease); an empty group shares its start
     // with the next, so the last of equal starts is the one holding rows.
     const int y = blockIdx.y;
-    int lo = 0, hi = p.num_experts - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (__ldg(p.offsets + mid) <= y) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    if (__ldg(p.offsets + lo) != y) return;
-    e = lo;
+    e = last_at_or_before(p.offsets, p.num_experts, y);
+    if (__ldg(p.offsets + e) != y) return;
   }
   const int count = min(__ldg(p.counts + e), p.capacity);
   if (count <= 0) return;
