@@ -19,6 +19,7 @@ KERNEL_MODULES = (
     "flashinfer_moe.comm.p2p_check",
     "flashinfer_moe.comm._kernels",
     "flashinfer_moe.mla.append",
+    "flashinfer_moe.mla.decode_sm90",
 )
 
 

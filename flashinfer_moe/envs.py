@@ -36,6 +36,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "auto",
         "`triton` makes the FP8 block-scaled grouped GEMM skip its CUTLASS kernel on Hopper; `auto` uses it there",
     ),
+    "FLASHINFER_MOE_MLA_BACKEND": (
+        "auto",
+        "`triton` makes the paged MLA decode skip its CUDA kernel on Hopper (bf16/fp16 pages); `auto` uses it there",
+    ),
     "FLASHINFER_MOE_A2A_TIMEOUT_S": (
         "30",
         "seconds an all-to-all step waits for its peers before raising CommTimeoutError",
@@ -122,6 +126,13 @@ def gemm_backend() -> str:
     raw = _str("FLASHINFER_MOE_GEMM_BACKEND") or "auto"
     if raw not in ("auto", "triton"):
         raise ValueError(f"FLASHINFER_MOE_GEMM_BACKEND must be 'auto' or 'triton', got {raw!r}")
+    return raw
+
+
+def mla_backend() -> str:
+    raw = _str("FLASHINFER_MOE_MLA_BACKEND") or "auto"
+    if raw not in ("auto", "triton"):
+        raise ValueError(f"FLASHINFER_MOE_MLA_BACKEND must be 'auto' or 'triton', got {raw!r}")
     return raw
 
 

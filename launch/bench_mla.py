@@ -24,9 +24,10 @@ number of bytes: its time and the bytes read / that time).
 Everything is timed as medians of CUDA-graph replays (plan + decode in one graph; FlashMLA's metadata and
 combine kernels included). ``--sweep`` times kernel configurations (tokens per tile, warps, stages,
 programs per SM) per (h_q, s_q) class at s_k 8192, page 64, for ``mla/decode.py``'s ``CONFIGS`` (``--tma``: those
-of the TMA tile loads, ``TMA_CONFIGS``). ``--paths old,new`` times each row twice: ``new`` the default dispatch
-(TMA tile loads where the cache's layout allows them), ``old`` the gathered pointer loads forced; ``fp8_bf16``
-the default with FP8 pages widened to bf16 (``FP8_F16_MATH`` off) instead of fp16.
+of the TMA tile loads, ``TMA_CONFIGS``). ``--paths triton,new`` times each row twice: ``new`` the default dispatch
+(on Hopper the CUDA kernel for bf16/fp16 pages), ``triton`` the Triton kernel (TMA tile loads where the cache's
+layout allows them), ``old`` Triton with the gathered pointer loads forced; ``fp8_bf16`` the default with FP8
+pages widened to bf16 (``FP8_F16_MATH`` off) instead of fp16.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -57,6 +59,7 @@ FP8 = torch.float8_e4m3fn
 DEV = "cuda"
 BATCH = 128
 SM_SCALE = 192**-0.5
+BACKEND_ENV = "FLASHINFER_MOE_MLA_BACKEND"
 FP8_SCALE = 1.0 / 64
 
 
@@ -115,10 +118,13 @@ def queries(heads: int, s_q: int, gen_seed: int = 0):
 
 @contextlib.contextmanager
 def forced_path(path: str):
-    """``old``: the gathered pointer loads where the default would take the TMA ones (mla_decode reads
-    ``TMA_CONFIGS`` when it launches, so a graph captured inside keeps the choice); ``fp8_bf16``: FP8 pages
-    widened to bf16 (``FP8_F16_MATH`` off, read at launch too); ``new``: the default."""
-    saved, saved_f16 = D.TMA_CONFIGS, DK.FP8_F16_MATH
+    """``triton``: the Triton kernel where the default would take the CUDA one (``FLASHINFER_MOE_MLA_BACKEND``,
+    read by the plan and at launch, so a graph captured inside keeps the choice); ``old``: Triton with the
+    gathered pointer loads where it would take the TMA ones (``TMA_CONFIGS``, read at launch too); ``fp8_bf16``:
+    FP8 pages widened to bf16 (``FP8_F16_MATH`` off); ``new``: the default."""
+    saved, saved_f16, saved_env = D.TMA_CONFIGS, DK.FP8_F16_MATH, os.environ.get(BACKEND_ENV)
+    if path in ("old", "triton"):
+        os.environ[BACKEND_ENV] = "triton"
     if path == "old":
         D.TMA_CONFIGS = {}
     if path == "fp8_bf16":
@@ -127,14 +133,25 @@ def forced_path(path: str):
         yield
     finally:
         D.TMA_CONFIGS, DK.FP8_F16_MATH = saved, saved_f16
+        if saved_env is None:
+            os.environ.pop(BACKEND_ENV, None)
+        else:
+            os.environ[BACKEND_ENV] = saved_env
 
 
 def time_ours(cache: Cache, q_nope, q_pe, config: dict | None = None, path: str = "new") -> float:
+    """Median us of plan + decode; ``config``: a Triton kernel configuration (``--sweep``), else the default
+    dispatch under ``path`` (``forced_path``)."""
+    with forced_path("triton" if config is not None else path):
+        return _time_ours(cache, q_nope, q_pe, config)
+
+
+def _time_ours(cache: Cache, q_nope, q_pe, config: dict | None) -> float:
     s_q, heads = q_nope.shape[1], q_nope.shape[2]
     scale = torch.tensor([FP8_SCALE], device=DEV) if cache.kv.dtype == FP8 else None
     out = torch.empty_like(q_nope)
     if config is None:
-        plan = D.mla_decode_plan(cache.seq_lens, s_q, heads)
+        plan = D.mla_decode_plan(cache.seq_lens, s_q, heads, kv_dtype=cache.kv.dtype)
 
         def fn(i):
             D.mla_decode_plan(cache.seq_lens, s_q, heads, out=plan)
@@ -175,8 +192,7 @@ def time_ours(cache: Cache, q_nope, q_pe, config: dict | None = None, path: str 
                 1 + config.get("SWAP", 0) if config.get("TMA", 0) else 0,
             )
 
-    with forced_path(path):
-        return time_graph(fn, calls=10, reps=10)
+    return time_graph(fn, calls=10, reps=10)
 
 
 def time_flashmla(fm, cache: Cache, q_nope, q_pe) -> float | None:
@@ -523,7 +539,9 @@ def main() -> int:
     parser.add_argument("--tma", action="store_true", help="sweep: the TMA tile-load configurations")
     parser.add_argument("--configs", nargs="*", help="sweep --tma: configurations as JSON objects instead")
     parser.add_argument(
-        "--paths", default="new", help="old (gathered loads forced), fp8_bf16 (FP8 widened to bf16), new (default)"
+        "--paths",
+        default="new",
+        help="triton (Triton kernel), old (Triton, gathered loads), fp8_bf16 (FP8 widened to bf16), new (default)",
     )
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)

@@ -129,6 +129,7 @@ class MLAAttention:
         ``mla_decode_plan``'s."""
         from .decode import mla_decode_plan
 
+        kwargs.setdefault("kv_dtype", self.kv_dtype)
         return mla_decode_plan(seq_lens, s_q, self.num_heads, **kwargs)
 
     def decode(

@@ -25,6 +25,7 @@ from flashinfer_moe import _checks
 from flashinfer_moe import reference_mla as ref
 from flashinfer_moe._ops import LIB, on_device
 
+from . import decode_sm90
 from .decode_checks import D_LATENT, D_ROPE, FP8, MAX_S_Q, PAGE_SIZES, Q_DTYPES  # noqa: F401 (re-exported)
 from .decode_checks import caches as _caches
 from .decode_checks import outputs as _outputs
@@ -136,8 +137,15 @@ def _decode_cuda(
     prefetch,
     tma=0,
 ):
-    from . import decode_kernel
+    from . import decode_kernel, decode_sm90
 
+    if decode_sm90.usable(q_nope, ckv, kpe, block_m):
+        with _on(q_nope):
+            decode_sm90.launch(
+                q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_lse, out, lse, sm_scale, causal,
+                num_programs,
+            )  # fmt: skip
+        return
     config = dict(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -247,6 +255,7 @@ def mla_decode_plan(
     *,
     num_sms: int | None = None,
     max_splits: int | None = None,
+    kv_dtype: torch.dtype | None = None,
     out: MLADecodePlan | None = None,
 ) -> MLADecodePlan:
     """The split-KV schedule of a decode step, computed on the device from ``seq_lens`` (one kernel, no host
@@ -263,6 +272,9 @@ def mla_decode_plan(
         num_heads: query heads ``Hq``.
         num_sms: SMs to plan for; default the device's (8 on a CPU).
         max_splits: the most pieces one sequence may be split into (caps the program count).
+        kv_dtype: the cache's dtype, to plan for the kernel that reads it: on Hopper, bf16/fp16 pages (the default)
+            go to the CUDA kernel, planned as 64-row blocks and one program per SM, FP8 pages to the Triton one
+            (either kernel runs any plan correctly; a plan for the other one is slower).
         out: an earlier plan of the same ``B``, ``s_q``, ``num_heads`` and device to refill in place (no
             allocation); its program count is kept.
 
@@ -285,8 +297,13 @@ def mla_decode_plan(
         num_sms = _sm_count(seq_lens.device.index or 0) if seq_lens.is_cuda else CPU_NUM_SMS
     num_sms = _checks.integer("num_sms", num_sms, 1)
     block_m = block_m_for(s_q * num_heads)
+    ctas_per_sm = CONFIGS[(block_m, False)]["ctas_per_sm"]
+    if kv_dtype is not None and not isinstance(kv_dtype, torch.dtype):
+        raise TypeError(f"kv_dtype must be a torch.dtype or None, got {type(kv_dtype).__name__}")
+    if kv_dtype != FP8 and decode_sm90.planned_for(seq_lens.device):
+        block_m, ctas_per_sm = decode_sm90.BLOCK_M, decode_sm90.CTAS_PER_SM
     row_blocks = -(-s_q * num_heads // block_m)
-    programs = max(1, num_sms * CONFIGS[(block_m, False)]["ctas_per_sm"] // row_blocks)
+    programs = max(1, num_sms * ctas_per_sm // row_blocks)
     if max_splits is not None:
         programs = min(programs, _checks.integer("max_splits", max_splits, 1))
     return make_plan(seq_lens, s_q, num_heads, programs, block_m)
@@ -356,7 +373,7 @@ def mla_decode(
     out, lse = _outputs(out, lse, q_nope)
     batch, s_q, heads, _ = q_nope.shape
     if plan is None:
-        plan = mla_decode_plan(seq_lens, s_q, heads)
+        plan = mla_decode_plan(seq_lens, s_q, heads, kv_dtype=ckv.dtype)
     elif not isinstance(plan, MLADecodePlan):
         raise TypeError(f"plan must be an MLADecodePlan (from mla_decode_plan), got {type(plan).__name__}")
     elif (plan.batch, plan.s_q, plan.num_heads, plan.device) != (batch, s_q, heads, q_nope.device):

@@ -411,13 +411,22 @@ def launch_decode(
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
+    launch_combine(sched, part_out, part_lse, out, lse, block_m)
+
+
+def launch_combine(sched, part_out, part_lse, out, lse, block_m: int) -> None:
+    """The merge of split sequences' partial results into ``out`` (and ``lse``, which may be None); also run
+    after the CUDA attention kernel (``mla/decode_sm90.py``)."""
+    batch, _, heads, _ = out.shape
+    rows = part_out.shape[1]
+    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     combine_m = min(block_m, 16)
     _combine_kernel[(batch, triton.cdiv(rows, combine_m))](
         sched,
         part_out,
         part_lse,
         out,
-        lse_arg,
+        lse if lse is not None else part_lse,
         batch,
         rows,
         heads,

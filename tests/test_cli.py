@@ -143,12 +143,13 @@ def test_every_kernel_family_declares_its_minimum_arch():
         "gemm_sm90": "90a",
         "gemm_sm90_wgmma": "90a",
         "mla_append": "80",
+        "mla_decode_sm90": "90a",
         "permute": "80",
         "probe": "70",
         "quant": "80",
         "routing": "80",
     }
-    hopper = ("gemm_sm90", "gemm_sm90_wgmma", "gemm_nvfp4_sm90")
+    hopper = ("gemm_sm90", "gemm_sm90_wgmma", "gemm_nvfp4_sm90", "mla_decode_sm90")
     assert {jit.REGISTRY[name].archs for name in hopper} == {("90a",)}
 
 

@@ -1,0 +1,455 @@
+// Paged MLA decode on Hopper (sm_90a): the absorbed attention of one split-KV piece per CTA step, bf16 or fp16
+// pages of any page size, 64 (new token, head) rows per CTA, 64-token tiles.
+//
+// Two warpgroups share the output's 512 latent columns (a [64, 512] fp32 accumulator would not fit one
+// warpgroup's registers). Warpgroup 0 computes the scores of a tile (Q [64, 576] . K^T, both from shared memory),
+// runs the online softmax, writes P (bf16/fp16) and the rows' rescale factors to shared memory and adds P . V to
+// output columns [0, 256); warpgroup 1 adds P . V to columns [256, 512) and loads the tiles with cp.async, one
+// token row (1152 bytes) per warp step, so any page size (1 included) loads the same way; the copies of tile
+// i + 2 are issued as soon as both warpgroups are done with tile i (two stages). V is the tile's
+// first 512 columns, read in place as wgmma's MN-major B operand.
+//
+// Shared memory (128-byte swizzled, 8-row atoms of 1024 bytes): Q and each stage as [9 column blocks][64 rows]
+// [64 columns]; P as [64 rows][64 tokens]. The schedule (which pieces of which sequences a CTA walks) is the one
+// of mla/plan_kernel.py, and split pieces write the same workspace the Triton kernel does, merged by the same
+// combine kernel.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "gemm/sm90_launch.cuh"
+#include "gemm/sm90_nvfp4_ptx.cuh"
+#include "gemm/sm90_wgmma_common.cuh"
+#include "mla/sm90_mla_mma.cuh"
+
+namespace fim {
+namespace sm90_mla {
+
+constexpr int kThreads = 256;
+constexpr int kRows = 64;                 // (new token, head) rows per CTA
+constexpr int kTile = 64;                 // tokens per tile
+constexpr int kChunks = 72;               // 16-byte chunks per row of 576 (512 latent + 64 rope)
+constexpr int kBlock = 8192;              // bytes of one 64-column block of 64 rows
+constexpr int kImage = 9 * kBlock;        // Q or one stage
+constexpr int kUnit = 64, kOverhead = 2;  // the schedule's cost model (mla/plan_kernel.py)
+// Q, two stages, P, then rescale factors, row maxima and sums (64 floats each) and the barriers; 1024 bytes of
+// slack to align the base to an atom.
+constexpr int kOffP = 3 * kImage;
+constexpr int kOffAlpha = kOffP + kRows * 128;
+constexpr int kOffM = kOffAlpha + 256;
+constexpr int kOffL = kOffM + 256;
+constexpr int kOffBar = kOffL + 256;
+constexpr int kSmem = kOffBar + 64 + 1024;
+
+// Named barriers (0 is __syncthreads'): P written (wg 0 -> wg 1), P read (wg 1 -> wg 0), stage read (wg 0 -> 1).
+constexpr int kBarPReady = 1, kBarPFree = 2, kBarEmpty = 3;
+
+struct Params {
+  const void* qn;   // [B, s_q, Hq, 512]
+  const void* qp;   // [B, s_q, Hq, 64]
+  const void* ckv;  // [P, page, >= 512]
+  const void* kpe;  // [P, page, 64] (a view of ckv's last 64 columns for the one-tensor layout)
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  const int32_t* sched;
+  float* part_out;                             // [S, M, 512]
+  float* part_lse;                             // [S, M]
+  void* out;                                   // [B, s_q, Hq, 512]
+  float* lse;                                  // [B, s_q, Hq] or null
+  int64_t qn_b, qn_s, qn_h, qp_b, qp_s, qp_h;  // strides in elements
+  int64_t ckv_p, ckv_t, kpe_p, kpe_t, bt_b;
+  int64_t o_b, o_s, o_h;
+  int64_t l_b, l_s, l_h;
+  int batch, rows, heads, s_q, page_shift, max_tokens, causal;
+  float qk_scale;  // sm_scale * log2(e)
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+using sm90_nvfp4::cp_async_16;
+using sm90_nvfp4::wgmma_commit;
+using sm90_nvfp4::wgmma_fence;
+using sm90_wgmma::bar_init;
+using sm90_wgmma::bar_wait;
+using sm90_wgmma::cp_async_arrive;
+using sm90_wgmma::fence_regs;
+using sm90_wgmma::smem_u32;
+using sm90_wgmma::wgmma_wait;
+
+__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Byte offset of 16-byte chunk c of row r in a [blocks][64 rows][64 columns] swizzled image.
+__device__ __forceinline__ uint32_t chunk_offset(int r, int c) {
+  return (c >> 3) * kBlock + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+// K-major descriptor (128-byte swizzle, 1024-byte atom stride) and the MN-major one of the values, whose
+// 64-column blocks are kBlock apart.
+__device__ __forceinline__ uint64_t desc_k(uint32_t addr) { return sm90_wgmma::make_desc(sm90_wgmma::desc_lo(addr)); }
+__device__ __forceinline__ uint64_t desc_mn(uint32_t addr) {
+  return (static_cast<uint64_t>(sm90_wgmma::kDescHi) << 32) | (addr >> 4) | ((kBlock >> 4) << 16);
+}
+
+template <bool F16>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  if constexpr (F16) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+
+// A tile's copies are made by warpgroup 1: warp w copies tokens 16 w .. 16 w + 15, lane l their 16-byte chunks l,
+// l + 32 (latent) and, for l < 8, 64 + l (rope), so that each copy instruction of a warp reads 512 contiguous
+// bytes. Lane j < 16 looks token 16 w + j's row up (`Rows`) and the warp shares it; tokens from `hi` on read
+// zeros.
+struct Rows {
+  int64_t lat, rope;  // byte offsets of the latent and rope rows
+  bool ok;
+};
+
+__device__ __forceinline__ Rows look_up(const Params& p, const int32_t* bt_row, int t0, int hi, int warp, int lane,
+                                        int elem) {
+  const int tok = t0 + warp * 16 + (lane & 15);
+  Rows r;
+  r.ok = tok < hi;
+  const int64_t page = r.ok ? bt_row[tok >> p.page_shift] : 0;
+  const int64_t slot = r.ok ? tok & ((1 << p.page_shift) - 1) : 0;
+  r.lat = (page * p.ckv_p + slot * p.ckv_t) * elem;
+  r.rope = (page * p.kpe_p + slot * p.kpe_t) * elem;
+  return r;
+}
+
+__device__ __forceinline__ void copy_rows(const Params& p, uint32_t stage, const Rows& rows, int warp, int lane) {
+  const char* ckv = static_cast<const char*>(p.ckv) + lane * 16;
+  const char* kpe = static_cast<const char*>(p.kpe) + (lane & 7) * 16;
+#pragma unroll 4
+  for (int j = 0; j < 16; ++j) {
+    const int r = warp * 16 + j;
+    const int64_t lat = __shfl_sync(0xffffffffu, rows.lat, j);
+    const int64_t rope = __shfl_sync(0xffffffffu, rows.rope, j);
+    const int bytes = __shfl_sync(0xffffffffu, rows.ok, j) ? 16 : 0;
+    cp_async_16(stage + chunk_offset(r, lane), ckv + lat, bytes);
+    cp_async_16(stage + chunk_offset(r, lane + 32), ckv + lat + 512, bytes);
+    if (lane < 8) cp_async_16(stage + chunk_offset(r, 64 + lane), kpe + rope, bytes);
+  }
+}
+
+template <bool F16>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
+  using T = typename std::conditional<F16, __half, __nv_bfloat16>::type;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023) & ~1023u;
+  uint8_t* smem = smem_raw + (base - raw);
+  const uint32_t s_q = base, s_p = base + kOffP;
+  float* s_alpha = reinterpret_cast<float*>(smem + kOffAlpha);
+  float* s_m = reinterpret_cast<float*>(smem + kOffM);
+  float* s_l = reinterpret_cast<float*>(smem + kOffL);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kOffBar);  // [2] stages
+  uint64_t* qbar = full + 2;
+
+  // The warpgroup index through a shuffle, so that the compiler knows it is warp-uniform (else it serializes
+  // the wgmma in the two roles' branches).
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), t = tid & 127, warp = t >> 5;
+  const int lane = tid & 31;
+  const int rb = blockIdx.x, prog = blockIdx.y;
+  if (tid == 0) {
+    bar_init(&full[0], 128);
+    bar_init(&full[1], 128);
+    bar_init(qbar, kThreads);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int B = p.batch;
+  const int chunk = p.sched[0], total = p.sched[1];
+  const int32_t* starts = p.sched + 2;
+  const int32_t* ends = starts + B;
+  const int32_t* splits_of = ends + B;
+  const int32_t* slot_of = splits_of + B;
+  int cursor = prog * chunk;
+  const int end = min(cursor + chunk, total);
+  int b = slot_of[B + prog];
+
+  // This thread's two accumulator rows (wgmma's fragment: warp w holds rows 16 w .. 16 w + 15).
+  const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8;
+  const int row0 = rb * kRows + r0, row1 = rb * kRows + r1;
+  const int qi0 = row0 / p.heads, qi1 = row1 / p.heads;
+  const int elem = sizeof(T);
+
+  uint32_t tiles_done = 0;  // tiles this CTA consumed so far: the stages' and barriers' phases
+  uint32_t pieces = 0;
+  while (cursor < end) {
+    const int seq_start = starts[b], seq_end = ends[b], splits = splits_of[b];
+    const int piece_end = min(end, seq_end);
+    const int length = min(max(p.seq_lens[b], 0), p.max_tokens);
+    const int tok_lo = max(cursor - seq_start - kOverhead, 0) * kUnit;
+    const int tok_hi = min(max(piece_end - seq_start - kOverhead, 0) * kUnit, length);
+    const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kTile - 1) / kTile : 0;
+    const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
+
+    __syncthreads();  // the previous piece is done with Q and both stages
+    if (wg == 1) {
+      for (int i = 0; i < 2 && i < ntiles; ++i) {
+        const uint32_t s = (tiles_done + i) & 1;
+        const Rows rows = look_up(p, bt_row, tok_lo + i * kTile, tok_hi, warp, lane, elem);
+        copy_rows(p, base + (1 + s) * kImage, rows, warp, lane);
+        cp_async_arrive(&full[s]);
+      }
+    }
+    // Q: all 256 threads, 18 chunks each; rows past the last one read zeros.
+    for (int i = tid; i < kRows * kChunks; i += kThreads) {
+      const int r = i / kChunks, c = i % kChunks;
+      const int row = rb * kRows + r;
+      const bool ok = row < p.rows;
+      const int qi = ok ? row / p.heads : 0, h = ok ? row % p.heads : 0;
+      const char* src =
+          c < 64 ? static_cast<const char*>(p.qn) + (b * p.qn_b + qi * p.qn_s + h * p.qn_h + c * 8) * elem
+                 : static_cast<const char*>(p.qp) + (b * p.qp_b + qi * p.qp_s + h * p.qp_h + (c - 64) * 8) * elem;
+      cp_async_16(s_q + chunk_offset(r, c), src, ok ? 16 : 0);
+    }
+    cp_async_arrive(qbar);
+
+    // Rows see tokens below vis (the causal diagonal among the new tokens, and the piece's end).
+    int vis0 = 0, vis1 = 0;
+    if (row0 < p.rows) vis0 = min(p.causal ? length - p.s_q + 1 + qi0 : length, tok_hi);
+    if (row1 < p.rows) vis1 = min(p.causal ? length - p.s_q + 1 + qi1 : length, tok_hi);
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    if (wg == 0) {
+      bar_wait(qbar, pieces & 1);
+      for (int i = 0; i < ntiles; ++i) {
+        const uint32_t g = tiles_done + i, s = g & 1;
+        const uint32_t stage = base + (1 + s) * kImage;
+        bar_wait(&full[s], (g >> 1) & 1);
+        fence_async_smem();  // cp.async writes -> wgmma's reads
+        float sc[32];
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < 9; ++kb)
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            mma_scores<F16>(sc, desc_k(s_q + kb * kBlock + kk * 32), desc_k(stage + kb * kBlock + kk * 32), kb | kk);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(sc);
+
+        // Online softmax in base 2; a row's 64 scores are spread over the 4 threads of a quad.
+        const int t0 = tok_lo + i * kTile;
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int tok = t0 + j * 8 + (lane & 3) * 2 + e;
+            sc[4 * j + e] = tok < vis0 ? sc[4 * j + e] * p.qk_scale : -INFINITY;
+            sc[4 * j + 2 + e] = tok < vis1 ? sc[4 * j + 2 + e] * p.qk_scale : -INFINITY;
+            mx0 = fmaxf(mx0, sc[4 * j + e]);
+            mx1 = fmaxf(mx1, sc[4 * j + 2 + e]);
+          }
+        }
+#pragma unroll
+        for (int x = 1; x <= 2; x <<= 1) {
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+        }
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
+        const float a0 = exp2f(m0 - u0), a1 = exp2f(m1 - u1);
+        m0 = n0;
+        m1 = n1;
+        float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            sc[4 * j + e] = exp2f(sc[4 * j + e] - u0);
+            sc[4 * j + 2 + e] = exp2f(sc[4 * j + 2 + e] - u1);
+            sum0 += sc[4 * j + e];
+            sum1 += sc[4 * j + 2 + e];
+          }
+        }
+        l0 = l0 * a0 + sum0;
+        l1 = l1 * a1 + sum1;
+
+        if (g > 0) named_sync(kBarPFree);  // warpgroup 1 has read the previous P
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t col = (j ^ (r0 & 7)) * 16 + (lane & 3) * 4;  // r0 & 7 == r1 & 7
+          sm90_wgmma::sts(s_p + r0 * 128 + col, pack2<F16>(sc[4 * j], sc[4 * j + 1]));
+          sm90_wgmma::sts(s_p + r1 * 128 + col, pack2<F16>(sc[4 * j + 2], sc[4 * j + 3]));
+        }
+        if ((lane & 3) == 0) {
+          s_alpha[r0] = a0;
+          s_alpha[r1] = a1;
+        }
+        fence_async_smem();  // P's stores -> both warpgroups' wgmma reads
+        named_arrive(kBarPReady);
+
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[4 * j] *= a0;
+          o[4 * j + 1] *= a0;
+          o[4 * j + 2] *= a1;
+          o[4 * j + 3] *= a1;
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) mma_values<F16>(o, desc_k(s_p + kk * 32), desc_mn(stage + kk * 2048), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(o);
+        named_arrive(kBarEmpty);
+      }
+      // The row sums were per thread: add the quad's.
+#pragma unroll
+      for (int x = 1; x <= 2; x <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+      }
+      if ((lane & 3) == 0) {
+        s_m[r0] = m0;
+        s_m[r1] = m1;
+        s_l[r0] = l0;
+        s_l[r1] = l1;
+      }
+    } else {
+      for (int i = 0; i < ntiles; ++i) {
+        const uint32_t g = tiles_done + i, s = g & 1;
+        const uint32_t stage = base + (1 + s) * kImage;
+        named_sync(kBarPReady);
+        const float a0 = s_alpha[r0], a1 = s_alpha[r1];
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[4 * j] *= a0;
+          o[4 * j + 1] *= a0;
+          o[4 * j + 2] *= a1;
+          o[4 * j + 3] *= a1;
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          mma_values<F16>(o, desc_k(s_p + kk * 32), desc_mn(stage + 4 * kBlock + kk * 2048), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(o);
+        named_sync(kBarEmpty);  // warpgroup 0 is done with this stage too
+        named_arrive(kBarPFree);
+        if (i + 2 < ntiles) {  // tile i + 2 into this stage
+          copy_rows(p, stage, look_up(p, bt_row, tok_lo + (i + 2) * kTile, tok_hi, warp, lane, elem), warp, lane);
+          cp_async_arrive(&full[s]);
+        }
+      }
+    }
+    __syncthreads();  // row maxima and sums in shared memory
+    const float fm0 = s_m[r0], fm1 = s_m[r1], fl0 = s_l[r0], fl1 = s_l[r1];
+    const float inv0 = ntiles > 0 && fl0 > 0.f ? 1.f / fl0 : 0.f;
+    const float inv1 = ntiles > 0 && fl1 > 0.f ? 1.f / fl1 : 0.f;
+    const float lse0 = ntiles > 0 && fl0 > 0.f ? fm0 + log2f(fl0) : -INFINITY;
+    const float lse1 = ntiles > 0 && fl1 > 0.f ? fm1 + log2f(fl1) : -INFINITY;
+    const int col0 = wg * 256 + (lane & 3) * 2;
+    if (splits == 1) {
+      T* out = static_cast<T*>(p.out);
+      const int h0 = row0 % p.heads, h1 = row1 % p.heads;
+      T* o0 = out + b * p.o_b + qi0 * p.o_s + h0 * p.o_h + col0;
+      T* o1 = out + b * p.o_b + qi1 * p.o_s + h1 * p.o_h + col0;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        if (row0 < p.rows) *reinterpret_cast<uint32_t*>(o0 + j * 8) = pack2<F16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+        if (row1 < p.rows)
+          *reinterpret_cast<uint32_t*>(o1 + j * 8) = pack2<F16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+      }
+      if (p.lse != nullptr && wg == 0 && (lane & 3) == 0) {
+        constexpr float kLn2 = 0.6931471805599453f;
+        if (row0 < p.rows) p.lse[b * p.l_b + qi0 * p.l_s + h0 * p.l_h] = lse0 * kLn2;
+        if (row1 < p.rows) p.lse[b * p.l_b + qi1 * p.l_s + h1 * p.l_h] = lse1 * kLn2;
+      }
+    } else {
+      const int64_t slot = slot_of[b] + prog - seq_start / chunk;
+      float* o0 = p.part_out + (slot * p.rows + row0) * 512 + col0;
+      float* o1 = p.part_out + (slot * p.rows + row1) * 512 + col0;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        if (row0 < p.rows) *reinterpret_cast<float2*>(o0 + j * 8) = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+        if (row1 < p.rows)
+          *reinterpret_cast<float2*>(o1 + j * 8) = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+      }
+      if (wg == 0 && (lane & 3) == 0) {
+        if (row0 < p.rows) p.part_lse[slot * p.rows + row0] = lse0;
+        if (row1 < p.rows) p.part_lse[slot * p.rows + row1] = lse1;
+      }
+    }
+    tiles_done += ntiles;
+    ++pieces;
+    cursor = piece_end;
+    ++b;
+  }
+}
+
+#else
+
+template <bool F16>
+__global__ void mla_decode_kernel(const __grid_constant__ Params p) {}
+
+#endif
+
+template <bool F16>
+int launch(const Params& p, int row_blocks, int programs, cudaStream_t stream) {
+  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_kernel<F16>>(kSmem);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  mla_decode_kernel<F16><<<dim3(row_blocks, programs), kThreads, kSmem, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace sm90_mla
+}  // namespace fim
+
+extern "C" {
+
+// Strides in elements: q_nope, q_pe (b, s, h), ckv and kpe (page, token), block table (b), out (b, s, h), lse (b, s,
+// h). Returns a cudaError_t code.
+int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const void* kpe, const int32_t* block_table,
+                        const int32_t* seq_lens, const int32_t* sched, float* part_out, float* part_lse, void* out,
+                        float* lse, const int64_t* strides, int batch, int s_q, int heads, int page_shift,
+                        int max_tokens, int causal, float qk_scale, int fp16, int programs, cudaStream_t stream) {
+  fim::sm90_mla::Params p{};
+  p.qn = qn;
+  p.qp = qp;
+  p.ckv = ckv;
+  p.kpe = kpe;
+  p.block_table = block_table;
+  p.seq_lens = seq_lens;
+  p.sched = sched;
+  p.part_out = part_out;
+  p.part_lse = part_lse;
+  p.out = out;
+  p.lse = lse;
+  int64_t* fields[] = {&p.qn_b,  &p.qn_s, &p.qn_h, &p.qp_b, &p.qp_s, &p.qp_h, &p.ckv_p, &p.ckv_t, &p.kpe_p,
+                       &p.kpe_t, &p.bt_b, &p.o_b,  &p.o_s,  &p.o_h,  &p.l_b,  &p.l_s,   &p.l_h};
+  for (int i = 0; i < 17; ++i) *fields[i] = strides[i];
+  p.batch = batch;
+  p.rows = s_q * heads;
+  p.heads = heads;
+  p.s_q = s_q;
+  p.page_shift = page_shift;
+  p.max_tokens = max_tokens;
+  p.causal = causal;
+  p.qk_scale = qk_scale;
+  const int row_blocks = (p.rows + fim::sm90_mla::kRows - 1) / fim::sm90_mla::kRows;
+  return fp16 ? fim::sm90_mla::launch<true>(p, row_blocks, programs, stream)
+              : fim::sm90_mla::launch<false>(p, row_blocks, programs, stream);
+}
+
+}  // extern "C"

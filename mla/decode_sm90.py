@@ -1,0 +1,107 @@
+"""The Hopper paged MLA decode written in CUDA (``csrc/mla/sm90_mla_decode.cu``), for bf16/fp16 pages of any
+page size: 64 (new token, head) rows per CTA, two warpgroups sharing the 512 output columns, tiles of 64 tokens
+copied with cp.async one token row at a time (so page 1 loads like page 64) and read by wgmma in shared memory.
+
+It walks the same split-KV schedule as the Triton kernel (``mla/plan_kernel.py``; a plan made for it has 64-row
+blocks and one CTA per SM) and writes split pieces to the same workspace, merged by the same combine kernel. FP8
+pages, other GPUs and ``FLASHINFER_MOE_MLA_BACKEND=triton`` stay on the Triton kernel (``mla/decode_kernel.py``).
+Dimension legend as in ``mla/decode.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from flashinfer_moe import envs
+from flashinfer_moe._ops import check_launch, kernel_library, stream_of
+from flashinfer_moe.jit import KernelSpec, register
+
+SPEC = register(
+    KernelSpec(
+        "mla_decode_sm90",
+        ("mla/sm90_mla_decode.cu", "gemm/sm90_common.cu"),
+        archs=("90a",),  # wgmma: sm_90a exactly
+        min_arch="90a",
+    )
+)
+
+BLOCK_M = 64  # rows per CTA
+CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
+LOG2E = 1.4426950408889634
+
+_vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "fim_sm90_mla_decode": (
+        [_vp] * 12 + [_int] * 6 + [_float, _int, _int, _vp],
+        _int,
+    )
+}
+
+
+@functools.cache
+def _device_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def planned_for(device: torch.device) -> bool:
+    """Whether a plan made on ``device`` schedules for this kernel: a Hopper GPU with the backend not turned off."""
+    return device.type == "cuda" and envs.mla_backend() != "triton" and _device_ok(device.index or 0)
+
+
+def usable(q_nope: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, block_m: int) -> bool:
+    """Whether the kernel takes the call: a plan of 64-row blocks on sm_90, pages in the queries' dtype (not FP8),
+    16-byte aligned rows (base, page and token strides), page ids that fit the kernel's shifts."""
+    if block_m != BLOCK_M or not planned_for(q_nope.device):
+        return False
+    if ckv.dtype != q_nope.dtype or kpe.dtype != q_nope.dtype:
+        return False
+    for t in (ckv, kpe):
+        elem = t.element_size()
+        if t.data_ptr() % 16 or (t.stride(0) * elem) % 16 or (t.stride(1) * elem) % 16:
+            return False
+    return True
+
+
+def launch(q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_lse, out, lse, sm_scale, causal,
+           num_programs) -> None:  # fmt: skip
+    """Attention (this kernel) then the combine of split pieces (the Triton one). Shapes, dtypes and ``usable``
+    arrive checked; ``lse`` may be None."""
+    from .decode_kernel import launch_combine
+
+    lib = kernel_library(SPEC.name, _SIGNATURES)
+    batch, s_q, heads, _ = q_nope.shape
+    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+    strides = (ctypes.c_int64 * 17)(
+        *q_nope.stride()[:3], *q_pe.stride()[:3], *ckv.stride()[:2], *kpe.stride()[:2], block_table.stride(0),
+        *out.stride()[:3], *lse_strides,
+    )  # fmt: skip
+    page = ckv.shape[1]
+    status = lib.fim_sm90_mla_decode(
+        q_nope.data_ptr(),
+        q_pe.data_ptr(),
+        ckv.data_ptr(),
+        kpe.data_ptr(),
+        block_table.data_ptr(),
+        seq_lens.data_ptr(),
+        sched.data_ptr(),
+        part_out.data_ptr(),
+        part_lse.data_ptr(),
+        out.data_ptr(),
+        None if lse is None else lse.data_ptr(),
+        ctypes.cast(strides, ctypes.c_void_p),
+        batch,
+        s_q,
+        heads,
+        page.bit_length() - 1,
+        block_table.shape[1] * page,
+        int(causal),
+        float(sm_scale) * LOG2E,
+        int(q_nope.dtype == torch.float16),
+        num_programs,
+        stream_of(q_nope),
+    )
+    check_launch(lib, status, "mla_decode (sm90)")
+    launch_combine(sched, part_out, part_lse, out, lse, BLOCK_M)
