@@ -143,7 +143,7 @@ def _decode_cuda(
         with _on(q_nope):
             decode_sm90.launch(
                 q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_lse, out, lse, sm_scale, causal,
-                num_programs,
+                num_programs, kv_scale_tensor if kv_scale_tensor is not None else kv_scale,
             )  # fmt: skip
         return
     config = dict(
@@ -273,8 +273,9 @@ def mla_decode_plan(
         num_sms: SMs to plan for; default the device's (8 on a CPU).
         max_splits: the most pieces one sequence may be split into (caps the program count).
         kv_dtype: the cache's dtype, to plan for the kernel that reads it: on Hopper, bf16/fp16 pages (the default)
-            go to the CUDA kernel, planned as 64-row blocks and one program per SM, FP8 pages to the Triton one
-            (either kernel runs any plan correctly; a plan for the other one is slower).
+            and FP8 pages with more than 16 rows (``s_q * num_heads``) go to the CUDA kernel, planned as 64-row
+            blocks and one program per SM; FP8 pages with fewer rows to the Triton one (either kernel runs any
+            plan correctly; a plan for the other one is slower).
         out: an earlier plan of the same ``B``, ``s_q``, ``num_heads`` and device to refill in place (no
             allocation); its program count is kept.
 
@@ -300,7 +301,7 @@ def mla_decode_plan(
     ctas_per_sm = CONFIGS[(block_m, False)]["ctas_per_sm"]
     if kv_dtype is not None and not isinstance(kv_dtype, torch.dtype):
         raise TypeError(f"kv_dtype must be a torch.dtype or None, got {type(kv_dtype).__name__}")
-    if kv_dtype != FP8 and decode_sm90.planned_for(seq_lens.device):
+    if decode_sm90.planned_for(seq_lens.device, s_q * num_heads, kv_dtype):
         block_m, ctas_per_sm = decode_sm90.BLOCK_M, decode_sm90.CTAS_PER_SM
     row_blocks = -(-s_q * num_heads // block_m)
     programs = max(1, num_sms * ctas_per_sm // row_blocks)
@@ -330,8 +331,9 @@ def mla_decode(
     validate: bool = False,
 ):
     """MLA decode, absorbed form, over a paged latent cache: per head ``softmax(sm_scale * (q_nope . ckv +
-    q_pe . kpe)) . ckv``, reading bf16/fp16 or FP8 pages directly (FP8 is widened in registers; no dequantized
-    copy of the cache).
+    q_pe . kpe)) . ckv``, reading bf16/fp16 or FP8 pages directly (FP8 is widened on chip: in shared memory by
+    the Hopper CUDA kernel, ``mla/decode_sm90.py``, in registers by the Triton one; no dequantized copy of the
+    cache). FP8 pages there take the products in fp16, with the queries times ``sm_scale`` rounded to fp16.
 
     Query ``i`` of the ``s_q`` new tokens (already in the cache, its last ``s_q`` positions) sees positions
     ``< seq_len - s_q + i + 1`` when ``causal``, all ``seq_len`` otherwise. A query that sees no position (e.g.

@@ -1,10 +1,12 @@
-"""The Hopper paged MLA decode written in CUDA (``csrc/mla/sm90_mla_decode.cu``), for bf16/fp16 pages of any
-page size: 64 (new token, head) rows per CTA, two warpgroups sharing the 512 output columns, tiles of 64 tokens
-copied with cp.async one token row at a time (so page 1 loads like page 64) and read by wgmma in shared memory.
+"""The Hopper paged MLA decode written in CUDA (``csrc/mla/sm90_mla_decode.cu``), for bf16/fp16 or FP8 pages of
+any page size: 64 (new token, head) rows per CTA, two warpgroups sharing the 512 output columns, tiles of 64 tokens
+copied with cp.async one token row at a time (so page 1 loads like page 64) and read by wgmma in shared memory
+(FP8 tiles widened to fp16 there first, the queries scaled into fp16).
 
 It walks the same split-KV schedule as the Triton kernel (``mla/plan_kernel.py``; a plan made for it has 64-row
 blocks and one CTA per SM) and writes split pieces to the same workspace, merged by the same combine kernel. FP8
-pages, other GPUs and ``FLASHINFER_MOE_MLA_BACKEND=triton`` stay on the Triton kernel (``mla/decode_kernel.py``).
+latent pages beside bf16/fp16 rope pages, other GPUs and ``FLASHINFER_MOE_MLA_BACKEND=triton`` stay on the Triton
+kernel (``mla/decode_kernel.py``).
 Dimension legend as in ``mla/decode.py``.
 """
 
@@ -29,13 +31,18 @@ SPEC = register(
 )
 
 BLOCK_M = 64  # rows per CTA
+# FP8 pages take the kernel above this many (new token, head) rows; at 16 the Triton kernel is faster. On an H200
+# (s_k 4096, page 64, docs/perf.md) the widening in shared memory costs about 1.1 us per tile: 16 heads 250 us
+# against Triton's 220, 16 heads x 2 new tokens 254 against 328.
+FP8_MIN_ROWS = 17
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 LOG2E = 1.4426950408889634
+FP8 = torch.float8_e4m3fn
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "fim_sm90_mla_decode": (
-        [_vp] * 12 + [_int] * 6 + [_float, _int, _int, _vp],
+        [_vp] * 12 + [_int] * 6 + [_float, _int, _int, _vp, _float, _int, _vp],
         _int,
     )
 }
@@ -46,17 +53,21 @@ def _device_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def planned_for(device: torch.device) -> bool:
-    """Whether a plan made on ``device`` schedules for this kernel: a Hopper GPU with the backend not turned off."""
+def planned_for(device: torch.device, rows: int, kv_dtype: torch.dtype | None) -> bool:
+    """Whether a plan made on ``device`` for ``rows`` (new token, head) rows of ``kv_dtype`` pages (None: not FP8)
+    schedules for this kernel: a Hopper GPU with the backend not turned off, FP8 pages above ``FP8_MIN_ROWS``."""
+    if kv_dtype == FP8 and rows < FP8_MIN_ROWS:
+        return False
     return device.type == "cuda" and envs.mla_backend() != "triton" and _device_ok(device.index or 0)
 
 
 def usable(q_nope: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, block_m: int) -> bool:
-    """Whether the kernel takes the call: a plan of 64-row blocks on sm_90, pages in the queries' dtype (not FP8),
-    16-byte aligned rows (base, page and token strides), page ids that fit the kernel's shifts."""
-    if block_m != BLOCK_M or not planned_for(q_nope.device):
+    """Whether the kernel takes the call: a plan of 64-row blocks on sm_90; latent and rope pages both in the
+    queries' dtype or both FP8 (then more than 16 rows); 16-byte aligned rows (base, page and token strides)."""
+    rows = q_nope.shape[1] * q_nope.shape[2]
+    if block_m != BLOCK_M or not planned_for(q_nope.device, rows, ckv.dtype):
         return False
-    if ckv.dtype != q_nope.dtype or kpe.dtype != q_nope.dtype:
+    if ckv.dtype != kpe.dtype or ckv.dtype not in (q_nope.dtype, FP8):
         return False
     for t in (ckv, kpe):
         elem = t.element_size()
@@ -66,9 +77,10 @@ def usable(q_nope: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, block_m: 
 
 
 def launch(q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_lse, out, lse, sm_scale, causal,
-           num_programs) -> None:  # fmt: skip
+           num_programs, kv_scale=None) -> None:  # fmt: skip
     """Attention (this kernel) then the combine of split pieces (the Triton one). Shapes, dtypes and ``usable``
-    arrive checked; ``lse`` may be None."""
+    arrive checked; ``lse`` may be None; ``kv_scale`` (FP8 pages) a float or a 1-element fp32 tensor on the
+    device."""
     from .decode_kernel import launch_combine
 
     lib = kernel_library(SPEC.name, _SIGNATURES)
@@ -100,6 +112,9 @@ def launch(q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_
         int(causal),
         float(sm_scale) * LOG2E,
         int(q_nope.dtype == torch.float16),
+        int(ckv.dtype == FP8),
+        kv_scale.data_ptr() if isinstance(kv_scale, torch.Tensor) else None,
+        1.0 if kv_scale is None or isinstance(kv_scale, torch.Tensor) else float(kv_scale),
         num_programs,
         stream_of(q_nope),
     )

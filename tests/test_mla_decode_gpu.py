@@ -69,6 +69,10 @@ def test_heads_and_caches(rng, heads, s_q, cache, page):
         kpe_dtype=torch.bfloat16 if split else None,
         device=DEV,
     )
+    if torch.cuda.get_device_capability() == (9, 0):  # which kernel takes it (mla/decode_sm90.py)
+        ckv, kpe = D._caches(case["kv_cache"], case["kpe_cache"], case["q_nope"])
+        want = not split and (cache_dtype != FP8 or heads * s_q >= decode_sm90.FP8_MIN_ROWS)
+        assert decode_sm90.usable(case["q_nope"], ckv, kpe, decode_sm90.BLOCK_M) == want
     out, lse = run_decode(case, SM_SCALE, num_sms=None, scale_tensor=split)
     assert_close(
         out, lse, *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"seed {seed}", lse_tol=lse_tol(case)

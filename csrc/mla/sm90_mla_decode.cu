@@ -46,6 +46,7 @@ constexpr int kSmem = kOffBar + 64 + 1024;
 
 // Named barriers (0 is __syncthreads'): P written (wg 0 -> wg 1), P read (wg 1 -> wg 0), stage read (wg 0 -> 1).
 constexpr int kBarPReady = 1, kBarPFree = 2, kBarEmpty = 3;
+constexpr int kBarWiden = 4, kBarQ = 5;  // within warpgroup 1 (FP8 widening), within warpgroup 0 (Q scaling)
 
 struct Params {
   const void* qn;   // [B, s_q, Hq, 512]
@@ -64,7 +65,9 @@ struct Params {
   int64_t o_b, o_s, o_h;
   int64_t l_b, l_s, l_h;
   int batch, rows, heads, s_q, page_shift, max_tokens, causal;
-  float qk_scale;  // sm_scale * log2(e)
+  float qk_scale;         // sm_scale * log2(e)
+  const float* kv_scale;  // FP8 pages: the dequantization factor on the device, or null for kv_scale_value
+  float kv_scale_value;
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -142,9 +145,115 @@ __device__ __forceinline__ void copy_rows(const Params& p, uint32_t stage, const
   }
 }
 
-template <bool F16>
+// FP8 pages: a tile's copies land as [64 rows][576 bytes] in the upper half of its stage (kFp8Off on), each warp
+// instruction reading 512 contiguous bytes of one row.
+constexpr int kFp8Off = kImage / 2;
+
+__device__ __forceinline__ void copy_rows_fp8(const Params& p, uint32_t stage, const Rows& rows, int warp, int lane) {
+  const char* ckv = static_cast<const char*>(p.ckv) + lane * 16;
+  const char* kpe = static_cast<const char*>(p.kpe) + (lane & 3) * 16;
+  const uint32_t dst = stage + kFp8Off + lane * 16;
+#pragma unroll 4
+  for (int j = 0; j < 16; ++j) {
+    const int r = warp * 16 + j;
+    const int64_t lat = __shfl_sync(0xffffffffu, rows.lat, j);
+    const int64_t rope = __shfl_sync(0xffffffffu, rows.rope, j);
+    const int bytes = __shfl_sync(0xffffffffu, rows.ok, j) ? 16 : 0;
+    cp_async_16(dst + r * kChunks * 8, ckv + lat, bytes);
+    if (lane < 4) cp_async_16(dst + r * kChunks * 8 + 512, kpe + rope, bytes);
+  }
+}
+
+// Eight E4M3 values (8 bytes) to eight fp16 ones (exact), as four 32-bit words.
+__device__ __forceinline__ void e4m3x8_to_f16(uint32_t lo, uint32_t hi, uint32_t (&w)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t pair = static_cast<uint16_t>(((i < 2 ? lo : hi) >> (16 * (i & 1))) & 0xffffu);
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(w[i]) : "h"(pair));
+  }
+}
+
+// 16 FP8 bytes of row r (columns 16 q .. 16 q + 15) into the fp16 image's chunks 2 q and 2 q + 1.
+__device__ __forceinline__ void store_widened(uint32_t stage, int r, int q, uint4 v) {
+  uint32_t a[4], b[4];
+  e4m3x8_to_f16(v.x, v.y, a);
+  e4m3x8_to_f16(v.z, v.w, b);
+  sm90_nvfp4::sts128(stage + chunk_offset(r, 2 * q), a[0], a[1], a[2], a[3]);
+  sm90_nvfp4::sts128(stage + chunk_offset(r, 2 * q + 1), b[0], b[1], b[2], b[3]);
+}
+
+// Warpgroup 1 widens a landed FP8 tile to fp16 in the stage's swizzled image, in place: columns 0-255 first (their
+// image ends below the FP8 rows), then the rest, read into registers before anyone writes over the FP8 rows.
+__device__ __forceinline__ void widen_tile(uint32_t stage, int t) {
+  const uint32_t fp8 = stage + kFp8Off;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {  // 64 rows x 16 chunks of 16 bytes
+    const int item = j * 128 + t, r = item >> 4, q = item & 15;
+    store_widened(stage, r, q, sm90_wgmma::lds128(fp8 + r * kChunks * 8 + q * 16));
+  }
+  uint4 rest[10];
+#pragma unroll
+  for (int j = 0; j < 10; ++j) {  // 64 rows x 20 chunks
+    const int item = j * 128 + t, r = item / 20, q = 16 + item % 20;
+    rest[j] = sm90_wgmma::lds128(fp8 + r * kChunks * 8 + q * 16);
+  }
+  asm volatile("bar.sync %0, 128;" ::"r"(kBarWiden) : "memory");
+#pragma unroll
+  for (int j = 0; j < 10; ++j) {
+    const int item = j * 128 + t, r = item / 20, q = 16 + item % 20;
+    store_widened(stage, r, q, rest[j]);
+  }
+}
+
+// Warpgroup 1: waits for tile g's copies, widens it, and tells warpgroup 0.
+__device__ __forceinline__ void widen_and_signal(uint32_t base, uint64_t* full, uint64_t* ready, uint32_t g, int t) {
+  const uint32_t s = g & 1;
+  bar_wait(&full[s], (g >> 1) & 1);
+  widen_tile(base + (1 + s) * kImage, t);
+  fence_async_smem();  // the widened tile's stores -> warpgroup 0's wgmma reads
+  sm90_wgmma::bar_arrive(&ready[s]);
+}
+
+// Q in place from the queries' dtype to fp16 times `scale` (the softmax scale, for FP8 pages: the scores' fp16
+// products then need only the pages' factor), by warpgroup 0's thread t.
+__device__ __forceinline__ void scale_queries_f16(uint32_t s_q, float scale, int t) {
+  for (int i = t; i < kRows * kChunks; i += 128) {
+    const uint32_t addr = s_q + chunk_offset(i / kChunks, i % kChunks);
+    const uint4 v = sm90_wgmma::lds128(addr);
+    uint32_t in[4] = {v.x, v.y, v.z, v.w}, out[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[k]));
+      __half2 h = __floats2half2_rn(f.x * scale, f.y * scale);
+      out[k] = *reinterpret_cast<uint32_t*>(&h);
+    }
+    sm90_nvfp4::sts128(addr, out[0], out[1], out[2], out[3]);
+  }
+  fence_async_smem();  // these stores -> warpgroup 0's wgmma reads
+}
+
+__device__ __forceinline__ void scale_queries_f16_from_f16(uint32_t s_q, float scale, int t) {
+  for (int i = t; i < kRows * kChunks; i += 128) {
+    const uint32_t addr = s_q + chunk_offset(i / kChunks, i % kChunks);
+    const uint4 v = sm90_wgmma::lds128(addr);
+    uint32_t in[4] = {v.x, v.y, v.z, v.w}, out[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&in[k]));
+      __half2 h = __floats2half2_rn(f.x * scale, f.y * scale);
+      out[k] = *reinterpret_cast<uint32_t*>(&h);
+    }
+    sm90_nvfp4::sts128(addr, out[0], out[1], out[2], out[3]);
+  }
+  fence_async_smem();  // these stores -> warpgroup 0's wgmma reads
+}
+
+// QF16: fp16 queries and output (else bf16). FP8: E4M3 pages, widened to fp16 by warpgroup 1 in shared memory, the
+// products in fp16 (queries scaled into fp16 first).
+template <bool QF16, bool FP8>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
-  using T = typename std::conditional<F16, __half, __nv_bfloat16>::type;
+  constexpr bool F16 = QF16 || FP8;  // the products' input type
+  using T = typename std::conditional<QF16, __half, __nv_bfloat16>::type;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023) & ~1023u;
@@ -155,6 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   float* s_l = reinterpret_cast<float*>(smem + kOffL);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kOffBar);  // [2] stages
   uint64_t* qbar = full + 2;
+  uint64_t* ready = full + 3;  // [2] FP8: the stage widened
 
   // The warpgroup index through a shuffle, so that the compiler knows it is warp-uniform (else it serializes
   // the wgmma in the two roles' branches).
@@ -165,6 +275,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     bar_init(&full[0], 128);
     bar_init(&full[1], 128);
     bar_init(qbar, kThreads);
+    bar_init(&ready[0], 128);
+    bar_init(&ready[1], 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -183,7 +295,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8;
   const int row0 = rb * kRows + r0, row1 = rb * kRows + r1;
   const int qi0 = row0 / p.heads, qi1 = row1 / p.heads;
-  const int elem = sizeof(T);
+  const int elem = sizeof(T);               // the queries'
+  const int kv_elem = FP8 ? 1 : sizeof(T);  // the pages'
+  float kv_scale = 1.f;
+  if constexpr (FP8) kv_scale = p.kv_scale != nullptr ? *p.kv_scale : p.kv_scale_value;
+  const float score_scale = FP8 ? kv_scale : p.qk_scale;  // FP8: the queries carry qk_scale
 
   uint32_t tiles_done = 0;  // tiles this CTA consumed so far: the stages' and barriers' phases
   uint32_t pieces = 0;
@@ -200,8 +316,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     if (wg == 1) {
       for (int i = 0; i < 2 && i < ntiles; ++i) {
         const uint32_t s = (tiles_done + i) & 1;
-        const Rows rows = look_up(p, bt_row, tok_lo + i * kTile, tok_hi, warp, lane, elem);
-        copy_rows(p, base + (1 + s) * kImage, rows, warp, lane);
+        const Rows rows = look_up(p, bt_row, tok_lo + i * kTile, tok_hi, warp, lane, kv_elem);
+        if constexpr (FP8) {
+          copy_rows_fp8(p, base + (1 + s) * kImage, rows, warp, lane);
+        } else {
+          copy_rows(p, base + (1 + s) * kImage, rows, warp, lane);
+        }
         cp_async_arrive(&full[s]);
       }
     }
@@ -230,11 +350,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 
     if (wg == 0) {
       bar_wait(qbar, pieces & 1);
+      if constexpr (FP8) {
+        if constexpr (QF16) {
+          scale_queries_f16_from_f16(s_q, p.qk_scale, t);
+        } else {
+          scale_queries_f16(s_q, p.qk_scale, t);
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(kBarQ) : "memory");
+      }
       for (int i = 0; i < ntiles; ++i) {
         const uint32_t g = tiles_done + i, s = g & 1;
         const uint32_t stage = base + (1 + s) * kImage;
-        bar_wait(&full[s], (g >> 1) & 1);
-        fence_async_smem();  // cp.async writes -> wgmma's reads
+        bar_wait(FP8 ? &ready[s] : &full[s], (g >> 1) & 1);
+        fence_async_smem();  // cp.async (or the widening's) writes -> wgmma's reads
         float sc[32];
         wgmma_fence();
 #pragma unroll
@@ -254,8 +382,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int tok = t0 + j * 8 + (lane & 3) * 2 + e;
-            sc[4 * j + e] = tok < vis0 ? sc[4 * j + e] * p.qk_scale : -INFINITY;
-            sc[4 * j + 2 + e] = tok < vis1 ? sc[4 * j + 2 + e] * p.qk_scale : -INFINITY;
+            sc[4 * j + e] = tok < vis0 ? sc[4 * j + e] * score_scale : -INFINITY;
+            sc[4 * j + 2 + e] = tok < vis1 ? sc[4 * j + 2 + e] * score_scale : -INFINITY;
             mx0 = fmaxf(mx0, sc[4 * j + e]);
             mx1 = fmaxf(mx1, sc[4 * j + 2 + e]);
           }
@@ -326,6 +454,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         s_l[r1] = l1;
       }
     } else {
+      // FP8: tile 0 is widened here, tile i + 1 at the end of iteration i (once tile i + 2's copies are issued),
+      // each signalled to warpgroup 0 by its stage's `ready` barrier.
+      if (FP8 && ntiles > 0) widen_and_signal(base, full, ready, tiles_done, t);
       for (int i = 0; i < ntiles; ++i) {
         const uint32_t g = tiles_done + i, s = g & 1;
         const uint32_t stage = base + (1 + s) * kImage;
@@ -348,15 +479,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         named_sync(kBarEmpty);  // warpgroup 0 is done with this stage too
         named_arrive(kBarPFree);
         if (i + 2 < ntiles) {  // tile i + 2 into this stage
-          copy_rows(p, stage, look_up(p, bt_row, tok_lo + (i + 2) * kTile, tok_hi, warp, lane, elem), warp, lane);
+          const Rows rows = look_up(p, bt_row, tok_lo + (i + 2) * kTile, tok_hi, warp, lane, kv_elem);
+          if constexpr (FP8) {
+            copy_rows_fp8(p, stage, rows, warp, lane);
+          } else {
+            copy_rows(p, stage, rows, warp, lane);
+          }
           cp_async_arrive(&full[s]);
         }
+        if (FP8 && i + 1 < ntiles) widen_and_signal(base, full, ready, g + 1, t);
       }
     }
     __syncthreads();  // row maxima and sums in shared memory
     const float fm0 = s_m[r0], fm1 = s_m[r1], fl0 = s_l[r0], fl1 = s_l[r1];
-    const float inv0 = ntiles > 0 && fl0 > 0.f ? 1.f / fl0 : 0.f;
-    const float inv1 = ntiles > 0 && fl1 > 0.f ? 1.f / fl1 : 0.f;
+    const float inv0 = ntiles > 0 && fl0 > 0.f ? kv_scale / fl0 : 0.f;  // FP8: the values' factor too
+    const float inv1 = ntiles > 0 && fl1 > 0.f ? kv_scale / fl1 : 0.f;
     const float lse0 = ntiles > 0 && fl0 > 0.f ? fm0 + log2f(fl0) : -INFINITY;
     const float lse1 = ntiles > 0 && fl1 > 0.f ? fm1 + log2f(fl1) : -INFINITY;
     const int col0 = wg * 256 + (lane & 3) * 2;
@@ -367,9 +504,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       T* o1 = out + b * p.o_b + qi1 * p.o_s + h1 * p.o_h + col0;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
-        if (row0 < p.rows) *reinterpret_cast<uint32_t*>(o0 + j * 8) = pack2<F16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+        if (row0 < p.rows) *reinterpret_cast<uint32_t*>(o0 + j * 8) = pack2<QF16>(o[4 * j] * inv0, o[4 * j + 1] * inv0);
         if (row1 < p.rows)
-          *reinterpret_cast<uint32_t*>(o1 + j * 8) = pack2<F16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+          *reinterpret_cast<uint32_t*>(o1 + j * 8) = pack2<QF16>(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
       }
       if (p.lse != nullptr && wg == 0 && (lane & 3) == 0) {
         constexpr float kLn2 = 0.6931471805599453f;
@@ -400,16 +537,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 
 #else
 
-template <bool F16>
+template <bool QF16, bool FP8>
 __global__ void mla_decode_kernel(const __grid_constant__ Params p) {}
 
 #endif
 
-template <bool F16>
+template <bool QF16, bool FP8>
 int launch(const Params& p, int row_blocks, int programs, cudaStream_t stream) {
-  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_kernel<F16>>(kSmem);
+  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_kernel<QF16, FP8>>(kSmem);
   if (err != cudaSuccess) return static_cast<int>(err);
-  mla_decode_kernel<F16><<<dim3(row_blocks, programs), kThreads, kSmem, stream>>>(p);
+  mla_decode_kernel<QF16, FP8><<<dim3(row_blocks, programs), kThreads, kSmem, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -419,11 +556,13 @@ int launch(const Params& p, int row_blocks, int programs, cudaStream_t stream) {
 extern "C" {
 
 // Strides in elements: q_nope, q_pe (b, s, h), ckv and kpe (page, token), block table (b), out (b, s, h), lse (b, s,
-// h). Returns a cudaError_t code.
+// h). fp8: E4M3 pages (latent and rope) dequantized by *kv_scale (a device pointer) or, where it is null,
+// kv_scale_value. Returns a cudaError_t code.
 int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const void* kpe, const int32_t* block_table,
                         const int32_t* seq_lens, const int32_t* sched, float* part_out, float* part_lse, void* out,
                         float* lse, const int64_t* strides, int batch, int s_q, int heads, int page_shift,
-                        int max_tokens, int causal, float qk_scale, int fp16, int programs, cudaStream_t stream) {
+                        int max_tokens, int causal, float qk_scale, int fp16, int fp8, const float* kv_scale,
+                        float kv_scale_value, int programs, cudaStream_t stream) {
   fim::sm90_mla::Params p{};
   p.qn = qn;
   p.qp = qp;
@@ -447,9 +586,16 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
   p.max_tokens = max_tokens;
   p.causal = causal;
   p.qk_scale = qk_scale;
+  p.kv_scale = kv_scale;
+  p.kv_scale_value = kv_scale_value;
   const int row_blocks = (p.rows + fim::sm90_mla::kRows - 1) / fim::sm90_mla::kRows;
-  return fp16 ? fim::sm90_mla::launch<true>(p, row_blocks, programs, stream)
-              : fim::sm90_mla::launch<false>(p, row_blocks, programs, stream);
+  using fim::sm90_mla::launch;
+  if (fp8) {
+    return fp16 ? launch<true, true>(p, row_blocks, programs, stream)
+                : launch<false, true>(p, row_blocks, programs, stream);
+  }
+  return fp16 ? launch<true, false>(p, row_blocks, programs, stream)
+              : launch<false, false>(p, row_blocks, programs, stream);
 }
 
 }  // extern "C"
