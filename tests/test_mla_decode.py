@@ -475,6 +475,7 @@ def test_plan_bad_input_and_mismatch():
 
     assert_error_names_argument(call, ValueError, "plan")
     assert D.mla_decode_plan(lens, 1, 16, max_splits=3).num_programs <= 3
+    assert_error_names_argument(lambda: D.mla_decode_plan(lens, 1, 16, kv_dtype="fp8"), TypeError, "kv_dtype")
 
 
 # ----------------------------------------------------------------------------------- TMA tile loads
