@@ -1,5 +1,5 @@
-// Paged MLA decode on Hopper (sm_90a): the absorbed attention of one split-KV piece per CTA step, bf16 or fp16
-// pages of any page size, 64 (new token, head) rows per CTA, 64-token tiles.
+// Paged MLA decode on Hopper (sm_90a): the absorbed attention of one split-KV piece per CTA step, bf16, fp16 or
+// FP8 (E4M3) pages of any page size, 64 (new token, head) rows per CTA, 64-token tiles.
 //
 // Two warpgroups share the output's 512 latent columns (a [64, 512] fp32 accumulator would not fit one
 // warpgroup's registers). Warpgroup 0 computes the scores of a tile (Q [64, 576] . K^T, both from shared memory),
@@ -13,6 +13,11 @@
 // [64 columns]; P as [64 rows][64 tokens]. The schedule (which pieces of which sequences a CTA walks) is the one
 // of mla/plan_kernel.py, and split pieces write the same workspace the Triton kernel does, merged by the same
 // combine kernel.
+//
+// FP8 pages: a tile's copies land as plain [64 rows][576 bytes] in the upper half of its stage; warpgroup 1 widens
+// them to fp16 in place (E4M3 -> fp16 is exact) and signals the stage's `ready` barrier; the queries are scaled by
+// the softmax scale into fp16 once per piece, the products run in fp16 and the pages' factor multiplies the
+// scores and the output.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
