@@ -7,6 +7,7 @@ implementation is the reference in :mod:`flashinfer_moe.reference`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 import torch
@@ -49,6 +50,12 @@ def kernel_library(name: str, signatures: dict[str, tuple[list, object]]) -> cty
             lib.fim_error_string.restype = ctypes.c_char_p
             _loaded[name] = lib
     return lib
+
+
+@functools.cache
+def is_sm90(index: int | None) -> bool:
+    """Whether GPU ``index`` is sm_90 exactly (what the wgmma kernels are built for); cached per device."""
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def check_launch(lib: ctypes.CDLL, status: int, what: str) -> None:

@@ -137,7 +137,7 @@ def _decode_cuda(
     prefetch,
     tma=0,
 ):
-    from . import decode_kernel, decode_sm90
+    from . import decode_kernel
 
     if decode_sm90.usable(q_nope, ckv, kpe, block_m):
         with _on(q_nope):

@@ -13,13 +13,14 @@ Dimension legend as in ``mla/decode.py``.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from flashinfer_moe import envs
-from flashinfer_moe._ops import check_launch, kernel_library, stream_of
+from flashinfer_moe._ops import check_launch, is_sm90, kernel_library, stream_of
 from flashinfer_moe.jit import KernelSpec, register
+
+from .decode_checks import FP8
 
 SPEC = register(
     KernelSpec(
@@ -37,7 +38,6 @@ BLOCK_M = 64  # rows per CTA
 FP8_MIN_ROWS = 17
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 LOG2E = 1.4426950408889634
-FP8 = torch.float8_e4m3fn
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -48,17 +48,12 @@ _SIGNATURES = {
 }
 
 
-@functools.cache
-def _device_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def planned_for(device: torch.device, rows: int, kv_dtype: torch.dtype | None) -> bool:
     """Whether a plan made on ``device`` for ``rows`` (new token, head) rows of ``kv_dtype`` pages (None: not FP8)
     schedules for this kernel: a Hopper GPU with the backend not turned off, FP8 pages above ``FP8_MIN_ROWS``."""
     if kv_dtype == FP8 and rows < FP8_MIN_ROWS:
         return False
-    return device.type == "cuda" and envs.mla_backend() != "triton" and _device_ok(device.index or 0)
+    return device.type == "cuda" and envs.mla_backend() != "triton" and is_sm90(device.index or 0)
 
 
 def usable(q_nope: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, block_m: int) -> bool:

@@ -12,12 +12,11 @@ sends it only the calls where it measured faster; every other call, and every ot
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from flashinfer_moe import envs
-from flashinfer_moe._ops import check_launch, kernel_library, stream_of
+from flashinfer_moe._ops import check_launch, is_sm90, kernel_library, stream_of
 from flashinfer_moe.jit import KernelSpec, register
 
 from .gemm_op import ACT_CODES
@@ -52,11 +51,6 @@ _SIGNATURES = {
 }
 
 
-@functools.cache
-def _device_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def tile_for(group_rows: int) -> int:
     """Tokens per tile for groups of about ``group_rows``: the smallest tile holding them, else the largest."""
     return next((t for t in TILES if t >= group_rows), TILES[-1])
@@ -73,7 +67,7 @@ def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacit
         return False
     if a.dtype != torch.bfloat16 or out.dtype not in (torch.bfloat16, torch.float32):
         return False
-    if not _device_ok(a.device.index):
+    if not is_sm90(a.device.index):
         return False
     num_experts, nw = w.shape[:2]
     if nw % 64 or (act != ACT_CODES[None] and nw % 128) or num_experts > MAX_EXPERTS:

@@ -18,7 +18,7 @@ import logging
 import torch
 
 from flashinfer_moe import envs
-from flashinfer_moe._ops import check_launch, kernel_library, stream_of
+from flashinfer_moe._ops import check_launch, is_sm90, kernel_library, stream_of
 from flashinfer_moe.errors import JitError
 from flashinfer_moe.jit import KernelSpec, register
 
@@ -114,11 +114,6 @@ def _headers_found() -> bool:
 
 
 @functools.cache
-def _device_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -126,7 +121,7 @@ def _sm_count(index: int) -> int:
 def usable(a, w, out, a_scale, w_scale, n: int, k: int) -> bool:
     """Whether these kernels take the call: sm_90, dense 16-byte-aligned operands (``out`` None: a bf16 buffer
     the caller makes), and our wgmma kernel (up to ``WGMMA_MAX_EXPERTS`` experts) or CUTLASS's headers."""
-    if envs.gemm_backend() == "triton" or not _device_ok(a.device.index) or n % 128 or k % 128:
+    if envs.gemm_backend() == "triton" or not is_sm90(a.device.index) or n % 128 or k % 128:
         return False
     if out is not None and out.dtype != torch.bfloat16:
         return False
