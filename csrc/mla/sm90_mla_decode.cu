@@ -219,8 +219,9 @@ __device__ __forceinline__ void widen_and_signal(uint32_t base, uint64_t* full, 
   sm90_wgmma::bar_arrive(&ready[s]);
 }
 
-// Q in place from the queries' dtype to fp16 times `scale` (the softmax scale, for FP8 pages: the scores' fp16
-// products then need only the pages' factor), by warpgroup 0's thread t.
+// Q in place from the queries' dtype (fp16 where QF16, else bf16) to fp16 times `scale` (the softmax scale, for FP8
+// pages: the scores' fp16 products then need only the pages' factor), by warpgroup 0's thread t.
+template <bool QF16>
 __device__ __forceinline__ void scale_queries_f16(uint32_t s_q, float scale, int t) {
   for (int i = t; i < kRows * kChunks; i += 128) {
     const uint32_t addr = s_q + chunk_offset(i / kChunks, i % kChunks);
@@ -228,23 +229,12 @@ __device__ __forceinline__ void scale_queries_f16(uint32_t s_q, float scale, int
     uint32_t in[4] = {v.x, v.y, v.z, v.w}, out[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[k]));
-      __half2 h = __floats2half2_rn(f.x * scale, f.y * scale);
-      out[k] = *reinterpret_cast<uint32_t*>(&h);
-    }
-    sm90_nvfp4::sts128(addr, out[0], out[1], out[2], out[3]);
-  }
-  fence_async_smem();  // these stores -> warpgroup 0's wgmma reads
-}
-
-__device__ __forceinline__ void scale_queries_f16_from_f16(uint32_t s_q, float scale, int t) {
-  for (int i = t; i < kRows * kChunks; i += 128) {
-    const uint32_t addr = s_q + chunk_offset(i / kChunks, i % kChunks);
-    const uint4 v = sm90_wgmma::lds128(addr);
-    uint32_t in[4] = {v.x, v.y, v.z, v.w}, out[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&in[k]));
+      float2 f;
+      if constexpr (QF16) {
+        f = __half22float2(*reinterpret_cast<const __half2*>(&in[k]));
+      } else {
+        f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[k]));
+      }
       __half2 h = __floats2half2_rn(f.x * scale, f.y * scale);
       out[k] = *reinterpret_cast<uint32_t*>(&h);
     }
@@ -356,11 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     if (wg == 0) {
       bar_wait(qbar, pieces & 1);
       if constexpr (FP8) {
-        if constexpr (QF16) {
-          scale_queries_f16_from_f16(s_q, p.qk_scale, t);
-        } else {
-          scale_queries_f16(s_q, p.qk_scale, t);
-        }
+        scale_queries_f16<QF16>(s_q, p.qk_scale, t);
         asm volatile("bar.sync %0, 128;" ::"r"(kBarQ) : "memory");
       }
       for (int i = 0; i < ntiles; ++i) {
