@@ -38,8 +38,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     ),
     "FLASHINFER_MOE_MLA_BACKEND": (
         "auto",
-        "`triton` makes the paged MLA decode skip its CUDA kernel on Hopper (bf16/fp16 pages, FP8 above 16 "
-        "query rows); `auto` uses it there",
+        "`triton` makes the paged MLA decode skip its CUDA kernels on Hopper (bf16/fp16 and FP8 pages); `auto` "
+        "uses them there",
     ),
     "FLASHINFER_MOE_A2A_TIMEOUT_S": (
         "30",

@@ -52,6 +52,7 @@ from mla_sdpa import sdpa_self_check, time_sdpa  # noqa: E402
 
 from flashinfer_moe.mla import decode as D  # noqa: E402
 from flashinfer_moe.mla import decode_kernel as DK  # noqa: E402
+from flashinfer_moe.mla import decode_sm90  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 DEV = "cuda"
@@ -119,18 +120,23 @@ def forced_path(path: str):
     """``triton``: the Triton kernel where the default would take the CUDA one (``FLASHINFER_MOE_MLA_BACKEND``,
     read by the plan and at launch, so a graph captured inside keeps the choice); ``old``: Triton with the
     gathered pointer loads where it would take the TMA ones (``TMA_CONFIGS``, read at launch too); ``fp8_bf16``:
-    FP8 pages widened to bf16 (``FP8_F16_MATH`` off); ``new``: the default."""
+    FP8 pages widened to bf16 (``FP8_F16_MATH`` off); ``wide``: FP8 pages of up to 32 rows on the 64-row CUDA
+    kernel instead of the narrow one (``decode_sm90.NARROW_MAX_ROWS`` 0); ``new``: the default."""
     saved, saved_f16, saved_env = D.TMA_CONFIGS, DK.FP8_F16_MATH, os.environ.get(BACKEND_ENV)
+    saved_narrow = decode_sm90.NARROW_MAX_ROWS
     if path in ("old", "triton"):
         os.environ[BACKEND_ENV] = "triton"
     if path == "old":
         D.TMA_CONFIGS = {}
     if path == "fp8_bf16":
         DK.FP8_F16_MATH = False
+    if path == "wide":
+        decode_sm90.NARROW_MAX_ROWS = 0
     try:
         yield
     finally:
         D.TMA_CONFIGS, DK.FP8_F16_MATH = saved, saved_f16
+        decode_sm90.NARROW_MAX_ROWS = saved_narrow
         if saved_env is None:
             os.environ.pop(BACKEND_ENV, None)
         else:
@@ -401,7 +407,8 @@ def main() -> int:
     parser.add_argument(
         "--paths",
         default="new",
-        help="triton (Triton kernel), old (Triton, gathered loads), fp8_bf16 (FP8 widened to bf16), new (default)",
+        help="triton (Triton kernel), old (Triton, gathered loads), fp8_bf16 (FP8 widened to bf16), wide (FP8 up "
+        "to 32 rows on the 64-row CUDA kernel), new (default)",
     )
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)

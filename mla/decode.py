@@ -273,9 +273,9 @@ def mla_decode_plan(
         num_sms: SMs to plan for; default the device's (8 on a CPU).
         max_splits: the most pieces one sequence may be split into (caps the program count).
         kv_dtype: the cache's dtype, to plan for the kernel that reads it: on Hopper, bf16/fp16 pages (the default)
-            and FP8 pages with more than 16 rows (``s_q * num_heads``) go to the CUDA kernel, planned as 64-row
-            blocks and one program per SM; FP8 pages with fewer rows to the Triton one (either kernel runs any
-            plan correctly; a plan for the other one is slower).
+            and FP8 pages (latent and rope) go to the CUDA kernels, planned as 64-row blocks and one program per
+            SM; elsewhere the Triton one (either kind of kernel runs any plan correctly; a plan for the other one
+            is slower).
         out: an earlier plan of the same ``B``, ``s_q``, ``num_heads`` and device to refill in place (no
             allocation); its program count is kept.
 

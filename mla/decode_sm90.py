@@ -1,10 +1,15 @@
-"""The Hopper paged MLA decode written in CUDA (``csrc/mla/sm90_mla_decode.cu``), for bf16/fp16 or FP8 pages of
-any page size: 64 (new token, head) rows per CTA, two warpgroups sharing the 512 output columns, tiles of 64 tokens
+"""The Hopper paged MLA decode written in CUDA, for bf16/fp16 or FP8 pages of any page size, tiles of 64 tokens
 copied with cp.async one token row at a time (so page 1 loads like page 64) and read by wgmma in shared memory
-(FP8 tiles widened to fp16 there first, the queries scaled into fp16).
+(FP8 tiles widened to fp16 there first, the queries scaled into fp16). Two kernels:
 
-It walks the same split-KV schedule as the Triton kernel (``mla/plan_kernel.py``; a plan made for it has 64-row
-blocks and one CTA per SM) and writes split pieces to the same workspace, merged by the same combine kernel. FP8
+- ``csrc/mla/sm90_mla_decode.cu``: 64 (new token, head) rows per CTA, two warpgroups sharing the 512 output
+  columns; bf16/fp16 pages, and FP8 pages of more than ``NARROW_MAX_ROWS`` rows.
+- ``csrc/mla/sm90_mla_decode_narrow.cu``: FP8 pages of up to ``NARROW_MAX_ROWS`` rows (16 heads and one or two new
+  tokens, say), the products transposed so that the rows are wgmma's N side (16 or 32) instead of 64 rows of
+  which most would be padding.
+
+Both walk the same split-KV schedule as the Triton kernel (``mla/plan_kernel.py``; a plan made for them has 64-row
+blocks and one CTA per SM) and write split pieces to the same workspace, merged by the same combine kernel. FP8
 latent pages beside bf16/fp16 rope pages, other GPUs and ``FLASHINFER_MOE_MLA_BACKEND=triton`` stay on the Triton
 kernel (``mla/decode_kernel.py``).
 Dimension legend as in ``mla/decode.py``.
@@ -25,24 +30,23 @@ from .decode_checks import FP8
 SPEC = register(
     KernelSpec(
         "mla_decode_sm90",
-        ("mla/sm90_mla_decode.cu", "gemm/sm90_common.cu"),
+        ("mla/sm90_mla_decode.cu", "mla/sm90_mla_decode_narrow.cu", "gemm/sm90_common.cu"),
         archs=("90a",),  # wgmma: sm_90a exactly
         min_arch="90a",
     )
 )
 
-BLOCK_M = 64  # rows per CTA
-# FP8 pages take the kernel above this many (new token, head) rows; at 16 the Triton kernel is faster. On an H200
-# (s_k 4096, page 64, docs/perf.md) the widening in shared memory costs about 1.1 us per tile: 16 heads 250 us
-# against Triton's 220, 16 heads x 2 new tokens 254 against 328.
-FP8_MIN_ROWS = 17
+BLOCK_M = 64  # rows per CTA of the 64-row kernel; the plan's row blocks for both
+# FP8 pages of at most this many rows take the narrow kernel; 0 sends them to the 64-row one. On an H200 (page 64,
+# docs/perf.md) the narrow kernel is 1.21-1.32x faster there than the 64-row one (16 rows: than the Triton one).
+NARROW_MAX_ROWS = 32
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 LOG2E = 1.4426950408889634
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "fim_sm90_mla_decode": (
-        [_vp] * 12 + [_int] * 6 + [_float, _int, _int, _vp, _float, _int, _vp],
+        [_vp] * 12 + [_int] * 6 + [_float, _int, _int, _vp, _float, _int, _int, _vp],
         _int,
     )
 }
@@ -50,15 +54,13 @@ _SIGNATURES = {
 
 def planned_for(device: torch.device, rows: int, kv_dtype: torch.dtype | None) -> bool:
     """Whether a plan made on ``device`` for ``rows`` (new token, head) rows of ``kv_dtype`` pages (None: not FP8)
-    schedules for this kernel: a Hopper GPU with the backend not turned off, FP8 pages above ``FP8_MIN_ROWS``."""
-    if kv_dtype == FP8 and rows < FP8_MIN_ROWS:
-        return False
+    schedules for these kernels: a Hopper GPU with the backend not turned off (any rows, any of the dtypes)."""
     return device.type == "cuda" and envs.mla_backend() != "triton" and is_sm90(device.index or 0)
 
 
 def usable(q_nope: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, block_m: int) -> bool:
     """Whether the kernel takes the call: a plan of 64-row blocks on sm_90; latent and rope pages both in the
-    queries' dtype or both FP8 (then more than 16 rows); 16-byte aligned rows (base, page and token strides)."""
+    queries' dtype or both FP8; 16-byte aligned rows (base, page and token strides)."""
     rows = q_nope.shape[1] * q_nope.shape[2]
     if block_m != BLOCK_M or not planned_for(q_nope.device, rows, ckv.dtype):
         return False
@@ -110,6 +112,7 @@ def launch(q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_
         int(ckv.dtype == FP8),
         kv_scale.data_ptr() if isinstance(kv_scale, torch.Tensor) else None,
         1.0 if kv_scale is None or isinstance(kv_scale, torch.Tensor) else float(kv_scale),
+        int(ckv.dtype == FP8 and s_q * heads <= NARROW_MAX_ROWS),
         num_programs,
         stream_of(q_nope),
     )

@@ -28,12 +28,16 @@ SM_SCALE = 192**-0.5
 
 
 def _backend(monkeypatch, backend: str, case) -> None:
-    """``triton`` keeps the call on the Triton kernel; ``auto`` must take the CUDA one on Hopper (bf16/fp16 pages)."""
+    """``triton`` keeps the call on the Triton kernel; ``auto`` must take a CUDA one on Hopper (bf16/fp16 pages, and
+    FP8 pages of both kinds' rows); ``wide``: FP8 pages of up to 32 rows on the 64-row CUDA kernel, not the
+    narrow one."""
     if backend == "triton":
         monkeypatch.setenv("FLASHINFER_MOE_MLA_BACKEND", "triton")
         return
+    if backend == "wide":
+        monkeypatch.setattr(decode_sm90, "NARROW_MAX_ROWS", 0)
     ckv, kpe = D._caches(case["kv_cache"], case["kpe_cache"], case["q_nope"])
-    if torch.cuda.get_device_capability() == (9, 0) and ckv.dtype != FP8:
+    if torch.cuda.get_device_capability() == (9, 0) and (ckv.dtype != FP8 or kpe.dtype == FP8):
         assert decode_sm90.usable(case["q_nope"], ckv, kpe, decode_sm90.BLOCK_M), "the CUDA kernel must take it"
 
 
@@ -71,11 +75,39 @@ def test_heads_and_caches(rng, heads, s_q, cache, page):
     )
     if torch.cuda.get_device_capability() == (9, 0):  # which kernel takes it (mla/decode_sm90.py)
         ckv, kpe = D._caches(case["kv_cache"], case["kpe_cache"], case["q_nope"])
-        want = not split and (cache_dtype != FP8 or heads * s_q >= decode_sm90.FP8_MIN_ROWS)
+        want = not split  # FP8 latent beside bf16 rope stays on Triton; all else takes a CUDA kernel
         assert decode_sm90.usable(case["q_nope"], ckv, kpe, decode_sm90.BLOCK_M) == want
     out, lse = run_decode(case, SM_SCALE, num_sms=None, scale_tensor=split)
     assert_close(
         out, lse, *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"seed {seed}", lse_tol=lse_tol(case)
+    )
+
+
+@pytest.mark.parametrize("backend", ["auto", "wide"])
+@pytest.mark.parametrize("heads, s_q", [(16, 1), (16, 2), (13, 2), (1, 1), (8, 4), (3, 5)])
+@pytest.mark.parametrize("page", D.PAGE_SIZES)
+def test_fp8_up_to_32_rows(rng, monkeypatch, page, heads, s_q, backend):
+    """FP8 pages with up to 32 (new token, head) rows, the narrow kernel's (16 or 32 rows as wgmma's N side), at
+    every page size over the full length mix; ``wide``: the same calls on the 64-row kernel."""
+    seed, g = rng
+    case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, FP8, device=DEV)
+    _backend(monkeypatch, backend, case)
+    out, lse = run_decode(case, SM_SCALE, num_sms=None, scale_tensor=heads % 2 == 1)
+    assert_close(
+        out, lse, *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"seed {seed}", lse_tol=lse_tol(case)
+    )
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("num_sms", [None, 1, 7])
+def test_fp8_up_to_32_rows_fp16_split(rng, causal, num_sms):
+    """The narrow kernel with fp16 queries, causal or not, with one program (nothing split), a few (everything
+    split) and the device's count."""
+    seed, g = rng
+    case = make_case(g, [0, 1, 63, 64, 65, 4097], 4, 7, 16, torch.float16, FP8, device=DEV)
+    out, lse = run_decode(case, SM_SCALE, causal=causal, num_sms=num_sms or D._sm_count(0))
+    assert_close(
+        out, lse, *reference(case, SM_SCALE, causal, device=DEV), torch.float16, f"seed {seed}", lse_tol=lse_tol(case)
     )
 
 

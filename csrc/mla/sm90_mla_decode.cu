@@ -18,28 +18,11 @@
 // them to fp16 in place (E4M3 -> fp16 is exact) and signals the stage's `ready` barrier; the queries are scaled by
 // the softmax scale into fp16 once per piece, the products run in fp16 and the pages' factor multiplies the
 // scores and the output.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
-#include <cstdint>
-#include <type_traits>
-
-#include "gemm/sm90_launch.cuh"
-#include "gemm/sm90_nvfp4_ptx.cuh"
-#include "gemm/sm90_wgmma_common.cuh"
-#include "mla/sm90_mla_mma.cuh"
+#include "mla/sm90_mla_common.cuh"
 
 namespace fim {
 namespace sm90_mla {
 
-constexpr int kThreads = 256;
-constexpr int kRows = 64;                 // (new token, head) rows per CTA
-constexpr int kTile = 64;                 // tokens per tile
-constexpr int kChunks = 72;               // 16-byte chunks per row of 576 (512 latent + 64 rope)
-constexpr int kBlock = 8192;              // bytes of one 64-column block of 64 rows
-constexpr int kImage = 9 * kBlock;        // Q or one stage
-constexpr int kUnit = 64, kOverhead = 2;  // the schedule's cost model (mla/plan_kernel.py)
 // Q, two stages, P, then rescale factors, row maxima and sums (64 floats each) and the barriers; 1024 bytes of
 // slack to align the base to an atom.
 constexpr int kOffP = 3 * kImage;
@@ -53,139 +36,7 @@ constexpr int kSmem = kOffBar + 64 + 1024;
 constexpr int kBarPReady = 1, kBarPFree = 2, kBarEmpty = 3;
 constexpr int kBarWiden = 4, kBarQ = 5;  // within warpgroup 1 (FP8 widening), within warpgroup 0 (Q scaling)
 
-struct Params {
-  const void* qn;   // [B, s_q, Hq, 512]
-  const void* qp;   // [B, s_q, Hq, 64]
-  const void* ckv;  // [P, page, >= 512]
-  const void* kpe;  // [P, page, 64] (a view of ckv's last 64 columns for the one-tensor layout)
-  const int32_t* block_table;
-  const int32_t* seq_lens;
-  const int32_t* sched;
-  float* part_out;                             // [S, M, 512]
-  float* part_lse;                             // [S, M]
-  void* out;                                   // [B, s_q, Hq, 512]
-  float* lse;                                  // [B, s_q, Hq] or null
-  int64_t qn_b, qn_s, qn_h, qp_b, qp_s, qp_h;  // strides in elements
-  int64_t ckv_p, ckv_t, kpe_p, kpe_t, bt_b;
-  int64_t o_b, o_s, o_h;
-  int64_t l_b, l_s, l_h;
-  int batch, rows, heads, s_q, page_shift, max_tokens, causal;
-  float qk_scale;         // sm_scale * log2(e)
-  const float* kv_scale;  // FP8 pages: the dequantization factor on the device, or null for kv_scale_value
-  float kv_scale_value;
-};
-
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-
-using sm90_nvfp4::cp_async_16;
-using sm90_nvfp4::wgmma_commit;
-using sm90_nvfp4::wgmma_fence;
-using sm90_wgmma::bar_init;
-using sm90_wgmma::bar_wait;
-using sm90_wgmma::cp_async_arrive;
-using sm90_wgmma::fence_regs;
-using sm90_wgmma::smem_u32;
-using sm90_wgmma::wgmma_wait;
-
-__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-// Byte offset of 16-byte chunk c of row r in a [blocks][64 rows][64 columns] swizzled image.
-__device__ __forceinline__ uint32_t chunk_offset(int r, int c) {
-  return (c >> 3) * kBlock + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-}
-
-// K-major descriptor (128-byte swizzle, 1024-byte atom stride) and the MN-major one of the values, whose
-// 64-column blocks are kBlock apart.
-__device__ __forceinline__ uint64_t desc_k(uint32_t addr) { return sm90_wgmma::make_desc(sm90_wgmma::desc_lo(addr)); }
-__device__ __forceinline__ uint64_t desc_mn(uint32_t addr) {
-  return (static_cast<uint64_t>(sm90_wgmma::kDescHi) << 32) | (addr >> 4) | ((kBlock >> 4) << 16);
-}
-
-template <bool F16>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  if constexpr (F16) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  } else {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-}
-
-// A tile's copies are made by warpgroup 1: warp w copies tokens 16 w .. 16 w + 15, lane l their 16-byte chunks l,
-// l + 32 (latent) and, for l < 8, 64 + l (rope), so that each copy instruction of a warp reads 512 contiguous
-// bytes. Lane j < 16 looks token 16 w + j's row up (`Rows`) and the warp shares it; tokens from `hi` on read
-// zeros.
-struct Rows {
-  int64_t lat, rope;  // byte offsets of the latent and rope rows
-  bool ok;
-};
-
-__device__ __forceinline__ Rows look_up(const Params& p, const int32_t* bt_row, int t0, int hi, int warp, int lane,
-                                        int elem) {
-  const int tok = t0 + warp * 16 + (lane & 15);
-  Rows r;
-  r.ok = tok < hi;
-  const int64_t page = r.ok ? bt_row[tok >> p.page_shift] : 0;
-  const int64_t slot = r.ok ? tok & ((1 << p.page_shift) - 1) : 0;
-  r.lat = (page * p.ckv_p + slot * p.ckv_t) * elem;
-  r.rope = (page * p.kpe_p + slot * p.kpe_t) * elem;
-  return r;
-}
-
-__device__ __forceinline__ void copy_rows(const Params& p, uint32_t stage, const Rows& rows, int warp, int lane) {
-  const char* ckv = static_cast<const char*>(p.ckv) + lane * 16;
-  const char* kpe = static_cast<const char*>(p.kpe) + (lane & 7) * 16;
-#pragma unroll 4
-  for (int j = 0; j < 16; ++j) {
-    const int r = warp * 16 + j;
-    const int64_t lat = __shfl_sync(0xffffffffu, rows.lat, j);
-    const int64_t rope = __shfl_sync(0xffffffffu, rows.rope, j);
-    const int bytes = __shfl_sync(0xffffffffu, rows.ok, j) ? 16 : 0;
-    cp_async_16(stage + chunk_offset(r, lane), ckv + lat, bytes);
-    cp_async_16(stage + chunk_offset(r, lane + 32), ckv + lat + 512, bytes);
-    if (lane < 8) cp_async_16(stage + chunk_offset(r, 64 + lane), kpe + rope, bytes);
-  }
-}
-
-// FP8 pages: a tile's copies land as [64 rows][576 bytes] in the upper half of its stage (kFp8Off on), each warp
-// instruction reading 512 contiguous bytes of one row.
-constexpr int kFp8Off = kImage / 2;
-
-__device__ __forceinline__ void copy_rows_fp8(const Params& p, uint32_t stage, const Rows& rows, int warp, int lane) {
-  const char* ckv = static_cast<const char*>(p.ckv) + lane * 16;
-  const char* kpe = static_cast<const char*>(p.kpe) + (lane & 3) * 16;
-  const uint32_t dst = stage + kFp8Off + lane * 16;
-#pragma unroll 4
-  for (int j = 0; j < 16; ++j) {
-    const int r = warp * 16 + j;
-    const int64_t lat = __shfl_sync(0xffffffffu, rows.lat, j);
-    const int64_t rope = __shfl_sync(0xffffffffu, rows.rope, j);
-    const int bytes = __shfl_sync(0xffffffffu, rows.ok, j) ? 16 : 0;
-    cp_async_16(dst + r * kChunks * 8, ckv + lat, bytes);
-    if (lane < 4) cp_async_16(dst + r * kChunks * 8 + 512, kpe + rope, bytes);
-  }
-}
-
-// Eight E4M3 values (8 bytes) to eight fp16 ones (exact), as four 32-bit words.
-__device__ __forceinline__ void e4m3x8_to_f16(uint32_t lo, uint32_t hi, uint32_t (&w)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint16_t pair = static_cast<uint16_t>(((i < 2 ? lo : hi) >> (16 * (i & 1))) & 0xffffu);
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(w[i]) : "h"(pair));
-  }
-}
-
-// 16 FP8 bytes of row r (columns 16 q .. 16 q + 15) into the fp16 image's chunks 2 q and 2 q + 1.
-__device__ __forceinline__ void store_widened(uint32_t stage, int r, int q, uint4 v) {
-  uint32_t a[4], b[4];
-  e4m3x8_to_f16(v.x, v.y, a);
-  e4m3x8_to_f16(v.z, v.w, b);
-  sm90_nvfp4::sts128(stage + chunk_offset(r, 2 * q), a[0], a[1], a[2], a[3]);
-  sm90_nvfp4::sts128(stage + chunk_offset(r, 2 * q + 1), b[0], b[1], b[2], b[3]);
-}
 
 // Warpgroup 1 widens a landed FP8 tile to fp16 in the stage's swizzled image, in place: columns 0-255 first (their
 // image ends below the FP8 rows), then the rest, read into registers before anyone writes over the FP8 rows.
@@ -217,30 +68,6 @@ __device__ __forceinline__ void widen_and_signal(uint32_t base, uint64_t* full, 
   widen_tile(base + (1 + s) * kImage, t);
   fence_async_smem();  // the widened tile's stores -> warpgroup 0's wgmma reads
   sm90_wgmma::bar_arrive(&ready[s]);
-}
-
-// Q in place from the queries' dtype (fp16 where QF16, else bf16) to fp16 times `scale` (the softmax scale, for FP8
-// pages: the scores' fp16 products then need only the pages' factor), by warpgroup 0's thread t.
-template <bool QF16>
-__device__ __forceinline__ void scale_queries_f16(uint32_t s_q, float scale, int t) {
-  for (int i = t; i < kRows * kChunks; i += 128) {
-    const uint32_t addr = s_q + chunk_offset(i / kChunks, i % kChunks);
-    const uint4 v = sm90_wgmma::lds128(addr);
-    uint32_t in[4] = {v.x, v.y, v.z, v.w}, out[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float2 f;
-      if constexpr (QF16) {
-        f = __half22float2(*reinterpret_cast<const __half2*>(&in[k]));
-      } else {
-        f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[k]));
-      }
-      __half2 h = __floats2half2_rn(f.x * scale, f.y * scale);
-      out[k] = *reinterpret_cast<uint32_t*>(&h);
-    }
-    sm90_nvfp4::sts128(addr, out[0], out[1], out[2], out[3]);
-  }
-  fence_async_smem();  // these stores -> warpgroup 0's wgmma reads
 }
 
 // QF16: fp16 queries and output (else bf16). FP8: E4M3 pages, widened to fp16 by warpgroup 1 in shared memory, the
@@ -290,7 +117,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8;
   const int row0 = rb * kRows + r0, row1 = rb * kRows + r1;
   const int qi0 = row0 / p.heads, qi1 = row1 / p.heads;
-  const int elem = sizeof(T);               // the queries'
   const int kv_elem = FP8 ? 1 : sizeof(T);  // the pages'
   float kv_scale = 1.f;
   if constexpr (FP8) kv_scale = p.kv_scale != nullptr ? *p.kv_scale : p.kv_scale_value;
@@ -320,17 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         cp_async_arrive(&full[s]);
       }
     }
-    // Q: all 256 threads, 18 chunks each; rows past the last one read zeros.
-    for (int i = tid; i < kRows * kChunks; i += kThreads) {
-      const int r = i / kChunks, c = i % kChunks;
-      const int row = rb * kRows + r;
-      const bool ok = row < p.rows;
-      const int qi = ok ? row / p.heads : 0, h = ok ? row % p.heads : 0;
-      const char* src =
-          c < 64 ? static_cast<const char*>(p.qn) + (b * p.qn_b + qi * p.qn_s + h * p.qn_h + c * 8) * elem
-                 : static_cast<const char*>(p.qp) + (b * p.qp_b + qi * p.qp_s + h * p.qp_h + (c - 64) * 8) * elem;
-      cp_async_16(s_q + chunk_offset(r, c), src, ok ? 16 : 0);
-    }
+    copy_queries<T, kRows>(p, s_q, rb * kRows, b, tid);
     cp_async_arrive(qbar);
 
     // Rows see tokens below vis (the causal diagonal among the new tokens, and the piece's end).
@@ -346,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     if (wg == 0) {
       bar_wait(qbar, pieces & 1);
       if constexpr (FP8) {
-        scale_queries_f16<QF16>(s_q, p.qk_scale, t);
+        scale_queries_f16<QF16, kRows>(s_q, p.qk_scale, t);
         asm volatile("bar.sync %0, 128;" ::"r"(kBarQ) : "memory");
       }
       for (int i = 0; i < ntiles; ++i) {
@@ -548,12 +364,13 @@ extern "C" {
 
 // Strides in elements: q_nope, q_pe (b, s, h), ckv and kpe (page, token), block table (b), out (b, s, h), lse (b, s,
 // h). fp8: E4M3 pages (latent and rope) dequantized by *kv_scale (a device pointer) or, where it is null,
-// kv_scale_value. Returns a cudaError_t code.
+// kv_scale_value; narrow (with fp8, up to 32 rows): the kernel of sm90_mla_decode_narrow.cu. Returns a cudaError_t
+// code.
 int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const void* kpe, const int32_t* block_table,
                         const int32_t* seq_lens, const int32_t* sched, float* part_out, float* part_lse, void* out,
                         float* lse, const int64_t* strides, int batch, int s_q, int heads, int page_shift,
                         int max_tokens, int causal, float qk_scale, int fp16, int fp8, const float* kv_scale,
-                        float kv_scale_value, int programs, cudaStream_t stream) {
+                        float kv_scale_value, int narrow, int programs, cudaStream_t stream) {
   fim::sm90_mla::Params p{};
   p.qn = qn;
   p.qp = qp;
@@ -579,6 +396,7 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
   p.qk_scale = qk_scale;
   p.kv_scale = kv_scale;
   p.kv_scale_value = kv_scale_value;
+  if (fp8 && narrow && p.rows <= 32) return fim::sm90_mla::launch_narrow(p, fp16, programs, stream);
   const int row_blocks = (p.rows + fim::sm90_mla::kRows - 1) / fim::sm90_mla::kRows;
   using fim::sm90_mla::launch;
   if (fp8) {

@@ -1,6 +1,7 @@
-// wgmma wrappers of the Hopper MLA decode (sm90_mla_decode.cu): both operands in shared memory, bf16 or fp16
-// inputs, fp32 accumulators. Scores: m64 x n64 x k16, both operands K-major. Values: m64 x n256 x k16 with the
-// B operand (the cache tile's latent columns) MN-major, the latent dimension contiguous (transpose bit set).
+// wgmma wrappers of the Hopper MLA decode (sm90_mla_decode.cu, sm90_mla_decode_narrow.cu): both operands in shared
+// memory, bf16 or fp16 inputs, fp32 accumulators. Scores: m64 x n64 x k16, both operands K-major. Values: m64 x n256 x
+// k16 with the B operand (the cache tile's latent columns) MN-major, the latent dimension contiguous (transpose bit
+// set).
 #pragma once
 
 #include <cstdint>
@@ -73,6 +74,46 @@ __device__ __forceinline__ void mma_values(float (&d)[128], uint64_t desc_a, uin
   }
 }
 #undef FIM_MLA_WGMMA_VALUES
+
+// The narrow kernel's products (sm90_mla_decode_narrow.cu), fp16 inputs, n = the query rows (16 or 32), B K-major:
+// scores transposed (A: the tile, K-major) and values transposed (A: the tile's latent columns, MN-major: TRANS_A).
+
+#define FIM_MLA_WGMMA_N16(TRANS_A)                                                                                     \
+  asm volatile(                                                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                                                     \
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, " TRANS_A \
+      ", 0;\n}\n"                                                                                                      \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])                 \
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
+#define FIM_MLA_WGMMA_N32(TRANS_A)                                                                                  \
+  asm volatile(                                                                                                     \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                                  \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, " \
+      "%13, %14, %15}, %16, %17, p, 1, 1, " TRANS_A ", 0;\n}\n"                                                     \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                    \
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
+template <int N, bool TRANS_A>
+__device__ __forceinline__ void mma_narrow(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (N == 16) {
+    if constexpr (TRANS_A) {
+      FIM_MLA_WGMMA_N16("1");
+    } else {
+      FIM_MLA_WGMMA_N16("0");
+    }
+  } else {
+    static_assert(N == 32, "16 or 32 query rows");
+    if constexpr (TRANS_A) {
+      FIM_MLA_WGMMA_N32("1");
+    } else {
+      FIM_MLA_WGMMA_N32("0");
+    }
+  }
+}
+#undef FIM_MLA_WGMMA_N16
+#undef FIM_MLA_WGMMA_N32
 
 #endif
 

@@ -1,0 +1,212 @@
+// Shared by the Hopper MLA decode kernels (sm90_mla_decode.cu: 64 rows per CTA; sm90_mla_decode_narrow.cu: FP8
+// pages, up to 32 rows): the parameters, the tile copies and the shared-memory images.
+//
+// Shared-memory images are 128-byte swizzled, 8-row atoms of 1024 bytes: [9 column blocks][rows][64 columns] of
+// 16-bit elements.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "gemm/sm90_launch.cuh"
+#include "gemm/sm90_nvfp4_ptx.cuh"
+#include "gemm/sm90_wgmma_common.cuh"
+#include "mla/sm90_mla_mma.cuh"
+
+namespace fim {
+namespace sm90_mla {
+
+constexpr int kThreads = 256;
+constexpr int kRows = 64;                 // (new token, head) rows per CTA
+constexpr int kTile = 64;                 // tokens per tile
+constexpr int kChunks = 72;               // 16-byte chunks per row of 576 (512 latent + 64 rope)
+constexpr int kBlock = 8192;              // bytes of one 64-column block of 64 rows
+constexpr int kImage = 9 * kBlock;        // Q or one stage
+constexpr int kUnit = 64, kOverhead = 2;  // the schedule's cost model (mla/plan_kernel.py)
+struct Params {
+  const void* qn;   // [B, s_q, Hq, 512]
+  const void* qp;   // [B, s_q, Hq, 64]
+  const void* ckv;  // [P, page, >= 512]
+  const void* kpe;  // [P, page, 64] (a view of ckv's last 64 columns for the one-tensor layout)
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  const int32_t* sched;
+  float* part_out;                             // [S, M, 512]
+  float* part_lse;                             // [S, M]
+  void* out;                                   // [B, s_q, Hq, 512]
+  float* lse;                                  // [B, s_q, Hq] or null
+  int64_t qn_b, qn_s, qn_h, qp_b, qp_s, qp_h;  // strides in elements
+  int64_t ckv_p, ckv_t, kpe_p, kpe_t, bt_b;
+  int64_t o_b, o_s, o_h;
+  int64_t l_b, l_s, l_h;
+  int batch, rows, heads, s_q, page_shift, max_tokens, causal;
+  float qk_scale;         // sm_scale * log2(e)
+  const float* kv_scale;  // FP8 pages: the dequantization factor on the device, or null for kv_scale_value
+  float kv_scale_value;
+};
+
+// The kernel for FP8 pages and at most 32 (new token, head) rows (sm90_mla_decode_narrow.cu); returns a
+// cudaError_t code.
+int launch_narrow(const Params& p, bool fp16, int programs, cudaStream_t stream);
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+using sm90_nvfp4::cp_async_16;
+using sm90_nvfp4::wgmma_commit;
+using sm90_nvfp4::wgmma_fence;
+using sm90_wgmma::bar_init;
+using sm90_wgmma::bar_wait;
+using sm90_wgmma::cp_async_arrive;
+using sm90_wgmma::fence_regs;
+using sm90_wgmma::smem_u32;
+using sm90_wgmma::wgmma_wait;
+
+__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Byte offset of 16-byte chunk c of row r in a [blocks][ROWS rows][64 columns] swizzled image.
+template <int ROWS = kRows>
+__device__ __forceinline__ uint32_t chunk_offset(int r, int c) {
+  return (c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+// K-major descriptor (128-byte swizzle, 1024-byte atom stride) and the MN-major one of the values, whose
+// 64-column blocks are kBlock apart.
+__device__ __forceinline__ uint64_t desc_k(uint32_t addr) { return sm90_wgmma::make_desc(sm90_wgmma::desc_lo(addr)); }
+__device__ __forceinline__ uint64_t desc_mn(uint32_t addr) {
+  return (static_cast<uint64_t>(sm90_wgmma::kDescHi) << 32) | (addr >> 4) | ((kBlock >> 4) << 16);
+}
+
+template <bool F16>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  if constexpr (F16) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+
+// A tile's copies are made by warpgroup 1: warp w copies tokens 16 w .. 16 w + 15, lane l their 16-byte chunks l,
+// l + 32 (latent) and, for l < 8, 64 + l (rope), so that each copy instruction of a warp reads 512 contiguous
+// bytes. Lane j < 16 looks token 16 w + j's row up (`Rows`) and the warp shares it; tokens from `hi` on read
+// zeros.
+struct Rows {
+  int64_t lat, rope;  // byte offsets of the latent and rope rows
+  bool ok;
+};
+
+__device__ __forceinline__ Rows look_up(const Params& p, const int32_t* bt_row, int t0, int hi, int warp, int lane,
+                                        int elem) {
+  const int tok = t0 + warp * 16 + (lane & 15);
+  Rows r;
+  r.ok = tok < hi;
+  const int64_t page = r.ok ? bt_row[tok >> p.page_shift] : 0;
+  const int64_t slot = r.ok ? tok & ((1 << p.page_shift) - 1) : 0;
+  r.lat = (page * p.ckv_p + slot * p.ckv_t) * elem;
+  r.rope = (page * p.kpe_p + slot * p.kpe_t) * elem;
+  return r;
+}
+
+__device__ __forceinline__ void copy_rows(const Params& p, uint32_t stage, const Rows& rows, int warp, int lane) {
+  const char* ckv = static_cast<const char*>(p.ckv) + lane * 16;
+  const char* kpe = static_cast<const char*>(p.kpe) + (lane & 7) * 16;
+#pragma unroll 4
+  for (int j = 0; j < 16; ++j) {
+    const int r = warp * 16 + j;
+    const int64_t lat = __shfl_sync(0xffffffffu, rows.lat, j);
+    const int64_t rope = __shfl_sync(0xffffffffu, rows.rope, j);
+    const int bytes = __shfl_sync(0xffffffffu, rows.ok, j) ? 16 : 0;
+    cp_async_16(stage + chunk_offset(r, lane), ckv + lat, bytes);
+    cp_async_16(stage + chunk_offset(r, lane + 32), ckv + lat + 512, bytes);
+    if (lane < 8) cp_async_16(stage + chunk_offset(r, 64 + lane), kpe + rope, bytes);
+  }
+}
+
+// FP8 pages: a tile's copies land as [64 rows][576 bytes] in the upper half of its stage (kFp8Off on), each warp
+// instruction reading 512 contiguous bytes of one row.
+constexpr int kFp8Off = kImage / 2;  // the wide kernel's FP8 landing place in a stage
+
+__device__ __forceinline__ void copy_rows_fp8(const Params& p, uint32_t stage, const Rows& rows, int warp, int lane) {
+  const char* ckv = static_cast<const char*>(p.ckv) + lane * 16;
+  const char* kpe = static_cast<const char*>(p.kpe) + (lane & 3) * 16;
+  const uint32_t dst = stage + kFp8Off + lane * 16;
+#pragma unroll 4
+  for (int j = 0; j < 16; ++j) {
+    const int r = warp * 16 + j;
+    const int64_t lat = __shfl_sync(0xffffffffu, rows.lat, j);
+    const int64_t rope = __shfl_sync(0xffffffffu, rows.rope, j);
+    const int bytes = __shfl_sync(0xffffffffu, rows.ok, j) ? 16 : 0;
+    cp_async_16(dst + r * kChunks * 8, ckv + lat, bytes);
+    if (lane < 4) cp_async_16(dst + r * kChunks * 8 + 512, kpe + rope, bytes);
+  }
+}
+
+// Eight E4M3 values (8 bytes) to eight fp16 ones (exact), as four 32-bit words.
+__device__ __forceinline__ void e4m3x8_to_f16(uint32_t lo, uint32_t hi, uint32_t (&w)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t pair = static_cast<uint16_t>(((i < 2 ? lo : hi) >> (16 * (i & 1))) & 0xffffu);
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(w[i]) : "h"(pair));
+  }
+}
+
+// 16 FP8 bytes of row r (columns 16 q .. 16 q + 15) into the fp16 image's chunks 2 q and 2 q + 1.
+__device__ __forceinline__ void store_widened(uint32_t stage, int r, int q, uint4 v) {
+  uint32_t a[4], b[4];
+  e4m3x8_to_f16(v.x, v.y, a);
+  e4m3x8_to_f16(v.z, v.w, b);
+  sm90_nvfp4::sts128(stage + chunk_offset(r, 2 * q), a[0], a[1], a[2], a[3]);
+  sm90_nvfp4::sts128(stage + chunk_offset(r, 2 * q + 1), b[0], b[1], b[2], b[3]);
+}
+
+// Q rows row0 .. row0 + ROWS - 1 of sequence b into their image, by all the CTA's threads; rows past the last one
+// read zeros.
+template <typename T, int ROWS>
+__device__ __forceinline__ void copy_queries(const Params& p, uint32_t s_q, int row0, int b, int tid) {
+  constexpr int64_t elem = sizeof(T);
+  for (int i = tid; i < ROWS * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const int row = row0 + r;
+    const bool ok = row < p.rows;
+    const int qi = ok ? row / p.heads : 0, h = ok ? row % p.heads : 0;
+    const char* src =
+        c < 64 ? static_cast<const char*>(p.qn) + (b * p.qn_b + qi * p.qn_s + h * p.qn_h + c * 8) * elem
+               : static_cast<const char*>(p.qp) + (b * p.qp_b + qi * p.qp_s + h * p.qp_h + (c - 64) * 8) * elem;
+    cp_async_16(s_q + chunk_offset<ROWS>(r, c), src, ok ? 16 : 0);
+  }
+}
+
+// Q in place from the queries' dtype (fp16 where QF16, else bf16) to fp16 times `scale` (the softmax scale, for FP8
+// pages: the scores' fp16 products then need only the pages' factor), by one warpgroup's thread t.
+template <bool QF16, int ROWS>
+__device__ __forceinline__ void scale_queries_f16(uint32_t s_q, float scale, int t) {
+  for (int i = t; i < ROWS * kChunks; i += 128) {
+    const uint32_t addr = s_q + chunk_offset<ROWS>(i / kChunks, i % kChunks);
+    const uint4 v = sm90_wgmma::lds128(addr);
+    uint32_t in[4] = {v.x, v.y, v.z, v.w}, out[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float2 f;
+      if constexpr (QF16) {
+        f = __half22float2(*reinterpret_cast<const __half2*>(&in[k]));
+      } else {
+        f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[k]));
+      }
+      out[k] = pack2<true>(f.x * scale, f.y * scale);
+    }
+    sm90_nvfp4::sts128(addr, out[0], out[1], out[2], out[3]);
+  }
+  fence_async_smem();  // these stores -> the warpgroup's wgmma reads
+}
+
+#endif
+
+}  // namespace sm90_mla
+}  // namespace fim
