@@ -18,7 +18,8 @@ and makes the fastest the ones the tables below use (the JSON records both); --s
 K-permuted weights (``pack_nvfp4_weights``) for ``CONFIGS_KPERM``. Every table also times NVFP4 on K-permuted
 weights (``nvfp4_kperm``: on Hopper the CUDA kernel where it takes the call), and the masked and fused tables
 the same on the Triton kernel alone (``nvfp4_kperm_triton``); the masked table also on the CUDA kernel
-wherever it can take the call (``nvfp4_kperm_cuda``, its default routing limit lifted). --sass DIR writes the SASS (and
+wherever it can take the call (``nvfp4_kperm_cuda``, its default routing limit lifted); the masked and fused
+tables time weights packed with split bits the same ways (``nvfp4_split*``). --sass DIR writes the SASS (and
 TTGIR/PTX) of every compiled NVFP4 kernel and prints its count of wgmma (HGMMA) instructions.
 
 Times are medians of CUDA-graph replays, NVFP4 and FP8 timed in turn, each after a short settle of its own
@@ -265,31 +266,26 @@ def masked_rows(rows: list[dict]) -> None:
         nv = [nvfp4_weights(e, n, k) for _ in range(sets)]
         f8 = [_fp8_weights(e, n, k) for _ in range(sets)]
         packed = [fm.pack_fp8_block_weights(w) for w, _ in f8]
-        nvp = [(fm.pack_nvfp4_weights(w), s, gs) for w, s, gs in nv]
+        nvp = {
+            name: [(fm.pack_nvfp4_weights(w, split_bits=split), s, gs) for w, s, gs in nv]
+            for name, split in (("kperm", False), ("split", True))
+        }
         for per_expert in (8, 16, 64, 128):
             a = torch.randn(e, per_expert, k, device=DEV, dtype=torch.bfloat16)
             aq, a_s = _fp8_rows(e * per_expert, k)
             aq, a_s = aq.view(e, per_expert, k), a_s.view(e, per_expert, -1)
             counts = torch.full((e,), per_expert, dtype=torch.int32, device=DEV)
             out = torch.empty(e, per_expert, n, dtype=torch.bfloat16, device=DEV)
-            t = timed(
-                {
-                    "nvfp4": lambda i: fm.grouped_gemm_nvfp4_masked(a, *nv[i % sets], counts, validate=False, out=out),
-                    "nvfp4_kperm": lambda i: fm.grouped_gemm_nvfp4_masked(
-                        a, *nvp[i % sets], counts, validate=False, out=out
-                    ),
-                    "nvfp4_kperm_triton": _on_triton(
-                        lambda i: fm.grouped_gemm_nvfp4_masked(a, *nvp[i % sets], counts, validate=False, out=out)
-                    ),
-                    "nvfp4_kperm_cuda": _on_cuda(
-                        lambda i: fm.grouped_gemm_nvfp4_masked(a, *nvp[i % sets], counts, validate=False, out=out)
-                    ),
-                    "fp8": lambda i: fm.grouped_gemm_fp8_block_masked(aq, a_s, *f8[i % sets], counts, out=out),
-                    "fp8_packed": lambda i: fm.grouped_gemm_fp8_block_masked(
-                        aq, a_s, packed[i % sets], f8[i % sets][1], counts, out=out
-                    ),
-                }
+            fns = {"nvfp4": lambda i: fm.grouped_gemm_nvfp4_masked(a, *nv[i % sets], counts, validate=False, out=out)}
+            for name, ws in nvp.items():  # K-permuted and split bits: default routing, Triton alone, CUDA lifted
+                call = lambda i, ws=ws: fm.grouped_gemm_nvfp4_masked(a, *ws[i % sets], counts, validate=False, out=out)  # noqa: E731
+                fns |= {f"nvfp4_{name}": call, f"nvfp4_{name}_triton": _on_triton(call)}
+                fns[f"nvfp4_{name}_cuda"] = _on_cuda(call)
+            fns["fp8"] = lambda i: fm.grouped_gemm_fp8_block_masked(aq, a_s, *f8[i % sets], counts, out=out)
+            fns["fp8_packed"] = lambda i: fm.grouped_gemm_fp8_block_masked(
+                aq, a_s, packed[i % sets], f8[i % sets][1], counts, out=out
             )
+            t = timed(fns)
             fp8_best = min(t["fp8"], t["fp8_packed"])
             rows.append(
                 dict(
@@ -302,10 +298,14 @@ def masked_rows(rows: list[dict]) -> None:
                     nvfp4_kperm_us=t["nvfp4_kperm"],
                     nvfp4_kperm_triton_us=t["nvfp4_kperm_triton"],
                     nvfp4_kperm_cuda_us=t["nvfp4_kperm_cuda"],
+                    nvfp4_split_us=t["nvfp4_split"],
+                    nvfp4_split_triton_us=t["nvfp4_split_triton"],
+                    nvfp4_split_cuda_us=t["nvfp4_split_cuda"],
                     fp8_us=t["fp8"],
                     fp8_packed_us=t["fp8_packed"],
                     speedup_vs_fp8_best=fp8_best / t["nvfp4"],
                     kperm_speedup_vs_fp8_best=fp8_best / t["nvfp4_kperm"],
+                    split_cuda_speedup_vs_fp8_best=fp8_best / t["nvfp4_split_cuda"],
                     nvfp4_weight_tb_s=e * n * k / 2 / (t["nvfp4"] * 1e-6) / 1e12,
                     nvfp4_kperm_weight_tb_s=e * n * k / 2 / (t["nvfp4_kperm"] * 1e-6) / 1e12,
                     nvfp4_with_scales_tb_s=e * n * (k / 2 + k / 16) / (t["nvfp4"] * 1e-6) / 1e12,
@@ -372,6 +372,7 @@ def fused_rows(rows: list[dict]) -> None:
         f2, fs2 = _fp8_weights(e, h, inter)
         p13, p2 = fm.pack_fp8_block_weights(f13, gated=True), fm.pack_fp8_block_weights(f2)
         k13, k2 = fm.pack_nvfp4_weights(w13), fm.pack_nvfp4_weights(w2)
+        b13, b2 = fm.pack_nvfp4_weights(w13, split_bits=True), fm.pack_nvfp4_weights(w2, split_bits=True)
         nv_kw = dict(quant="nvfp4", w13_scale=s13, w2_scale=s2, w13_global_scale=g13, w2_global_scale=g2)
         f8_kw = dict(quant="fp8_block", w13_scale=fs13, w2_scale=fs2)
         for t in (1, 16, 128, 4096):
@@ -386,6 +387,7 @@ def fused_rows(rows: list[dict]) -> None:
                     "nvfp4_kperm_triton": _on_triton(
                         lambda i: fm.fused_moe(x, k13, k2, weights, ids, **nv_kw, **common)
                     ),
+                    "nvfp4_split": lambda i: fm.fused_moe(x, b13, b2, weights, ids, **nv_kw, **common),
                     "fp8": lambda i: fm.fused_moe(x, f13, f2, weights, ids, **f8_kw, **common),
                     "fp8_packed": lambda i: fm.fused_moe(x, p13, p2, weights, ids, **f8_kw, **common),
                 },
@@ -402,6 +404,7 @@ def fused_rows(rows: list[dict]) -> None:
                     nvfp4_us=times["nvfp4"],
                     nvfp4_kperm_us=times["nvfp4_kperm"],
                     nvfp4_kperm_triton_us=times["nvfp4_kperm_triton"],
+                    nvfp4_split_us=times["nvfp4_split"],
                     fp8_us=times["fp8"],
                     fp8_packed_us=times["fp8_packed"],
                     speedup_vs_fp8_best=fp8_best / times["nvfp4"],

@@ -25,8 +25,7 @@ from flashinfer_moe._ops import LIB, on_device
 
 from .gemm import _ACT_DOC, _activation, _check_experts, _outputs, _rows_and_groups
 from .gemm_op import ACT_NAMES
-from .packed_nvfp4 import PackedNvfp4Weights, check_packable
-from .packed_nvfp4 import _permute as _kpermute
+from .packed_nvfp4 import PLAIN, SPLIT_BITS, PackedNvfp4Weights, check_packable
 from .quant import FP8
 
 __all__ = ["grouped_gemm_nvfp4_contiguous", "grouped_gemm_nvfp4_masked"]
@@ -36,7 +35,7 @@ ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
 LIB.define(
     "grouped_gemm_nvfp4_(Tensor a, Tensor w, Tensor w_block_scale, Tensor w_global_scale, Tensor counts, "
-    "Tensor? offsets, Tensor(a!) out, int act, float alpha, float limit, int capacity, bool kperm) -> ()"
+    "Tensor? offsets, Tensor(a!) out, int act, float alpha, float limit, int capacity, int wlayout) -> ()"
 )
 
 
@@ -52,8 +51,10 @@ def dequantize_weights(w: torch.Tensor, block_scale: torch.Tensor, global_scale:
     return values * gs[:, None, None]
 
 
-def _gemm_cpu(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity, kperm):
-    wf = dequantize_weights(_kpermute(w, pack=False) if kperm else w, w_block_scale, w_global_scale)
+def _gemm_cpu(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity, wlayout):
+    # wlayout: PLAIN, KPERM or SPLIT_BITS (moe/packed_nvfp4.py)
+    plain = w if wlayout == PLAIN else PackedNvfp4Weights(w, split_bits=wlayout == SPLIT_BITS).unpack()
+    wf = dequantize_weights(plain, w_block_scale, w_global_scale)
     counts = counts.clamp(max=capacity)
     if offsets is None:
         offsets = torch.arange(counts.shape[0], dtype=torch.int32) * capacity
@@ -65,10 +66,11 @@ def _gemm_cpu(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, al
         out[start : start + count] = y[start : start + count].to(out.dtype)
 
 
-def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity, kperm):
+def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity, wlayout):
     from . import gemm_nvfp4_kernel as kernel
     from . import gemm_nvfp4_sm90 as sm90
 
+    kperm = wlayout != PLAIN
     if sm90.usable(a, w, out, offsets, capacity, act, kperm):
         with on_device(a):
             sm90.launch(
@@ -83,6 +85,7 @@ def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, a
                 alpha=alpha,
                 limit=limit,
                 capacity=capacity,
+                split_bits=wlayout == SPLIT_BITS,
             )
         return
     config = kernel.pick(a.shape[0], w.shape[0], capacity, bool(act), 2 * w.shape[2], kperm)
@@ -101,6 +104,7 @@ def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, a
             capacity=capacity,
             config=config,
             kperm=kperm,
+            split_bits=wlayout == SPLIT_BITS,
         )
 
 
@@ -219,11 +223,11 @@ def _nvfp4(a, w, w_block_scale, w_global_scale, layout, masked, activation, alph
     (out,) = _outputs(out, a, n, a.dtype if out_dtype is None else out_dtype, False)
     if validate:
         check_global_scale_values(w_global_scale=g)
-    kperm = isinstance(w, PackedNvfp4Weights)
+    packed = isinstance(w, PackedNvfp4Weights)
     if a.numel() and out.numel():
         torch.ops.flashinfer_moe.grouped_gemm_nvfp4_(
             a.reshape(-1, a.shape[-1]),
-            w.data if kperm else w,
+            w.data if packed else w,
             s,
             g,
             counts,
@@ -233,7 +237,7 @@ def _nvfp4(a, w, w_block_scale, w_global_scale, layout, masked, activation, alph
             alpha,
             limit,
             capacity,
-            kperm,
+            w.layout if packed else PLAIN,
         )
     return out
 

@@ -75,6 +75,59 @@ mul.rn.bf16x2 $3, $3, $8;
 }
 """)
 
+# The same for split-bits words (``moe.packed_nvfp4``): shifts, rotations and masks put each word's bits into four
+# bf16 pairs reading as the values times 2**-126; the pairs ($5-$8) carry the block scale times 2**118, so the
+# results are the weights times 2**-8 (the kernel multiplies the global scale by 2**8). 7 integer instructions
+# (two more left shifts that may issue as multiplies) and 4 bf16x2 multiplies per 8 weights.
+_SPLIT_ASM = tl.constexpr("""
+{
+.reg .b32 p0, p1, p2, p3, r10, r14, t6;
+and.b32 p0, $4, 0x81C081C0;
+shl.b32 p1, $4, 4;
+and.b32 p1, p1, 0x81C081C0;
+shf.l.wrap.b32 r10, $4, $4, 10;
+and.b32 p2, r10, 0x81C081C0;
+shf.l.wrap.b32 r14, $4, $4, 14;
+and.b32 r14, r14, 0x01000100;
+shl.b32 t6, $4, 6;
+and.b32 t6, t6, 0x80C080C0;
+or.b32 p3, t6, r14;
+mul.rn.bf16x2 $0, p0, $5;
+mul.rn.bf16x2 $1, p1, $6;
+mul.rn.bf16x2 $2, p2, $7;
+mul.rn.bf16x2 $3, p3, $8;
+}
+""")
+_SPLIT_SCALE = tl.constexpr(2.0**118)
+_SPLIT_UNSCALE = tl.constexpr(256.0)  # 2**8, see _SPLIT_ASM
+
+
+@triton.jit
+def _rotl(y, r: tl.constexpr):
+    return (y << r) | (y >> (32 - r))
+
+
+@triton.jit
+def _join_split_bits(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Split-bits bytes `[BLOCK_N, BLOCK_K / 2]` back to K-permuted bytes, by the four pair formulas the GPU
+    expansion uses (``moe.packed_nvfp4``), reading each pair's sign and magnitude bits (the portable path)."""
+    x = tl.reshape(packed.to(tl.uint32), (BLOCK_N, BLOCK_K // 8, 2, 2))  # [n, word, j // 2, j % 2]
+    even, odd = tl.split(x)
+    b0, b2 = tl.split(even)
+    b1, b3 = tl.split(odd)
+    y = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+    p0 = y & 0x81C081C0
+    p1 = (y << 4) & 0x81C081C0
+    p2 = _rotl(y, 10) & 0x81C081C0
+    p3 = ((y << 6) & 0x80C080C0) | (_rotl(y, 14) & 0x01000100)
+    c0 = ((p0 >> 6) & 0x7) | ((p0 >> 12) & 0x8) | ((p0 >> 18) & 0x70) | ((p0 >> 24) & 0x80)
+    c1 = ((p1 >> 6) & 0x7) | ((p1 >> 12) & 0x8) | ((p1 >> 18) & 0x70) | ((p1 >> 24) & 0x80)
+    c2 = ((p2 >> 6) & 0x7) | ((p2 >> 12) & 0x8) | ((p2 >> 18) & 0x70) | ((p2 >> 24) & 0x80)
+    c3 = ((p3 >> 6) & 0x7) | ((p3 >> 12) & 0x8) | ((p3 >> 18) & 0x70) | ((p3 >> 24) & 0x80)
+    x = tl.join(tl.join(c0, c1), tl.join(c2, c3))  # [n, word, j % 2, j // 2]
+    x = tl.permute(x, (0, 1, 3, 2))
+    return tl.reshape(x, (BLOCK_N, BLOCK_K // 2)).to(tl.uint8)
+
 
 @triton.jit
 def _natural_bytes(x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -93,11 +146,15 @@ def expand_nvfp4(
     DTYPE: tl.constexpr,
     EXPAND: tl.constexpr = 0,
     KPERM: tl.constexpr = False,
+    SPLIT: tl.constexpr = False,
 ):
     """``packed`` `[BLOCK_N, BLOCK_K / 2]` uint8 (element 2i in the low nibble; with ``KPERM`` in the
-    K-permuted byte order) and ``scale`` `[BLOCK_N, BLOCK_K / 16]` (E4M3 block scales, any float type) ->
-    `[BLOCK_N, BLOCK_K]` values in ``DTYPE`` (``EXPAND_PRMT`` needs a bf16 ``DTYPE`` and a GPU)."""
+    K-permuted byte order, with ``SPLIT`` also in split bits) and ``scale`` `[BLOCK_N, BLOCK_K / 16]` (E4M3 block
+    scales, any float type) -> `[BLOCK_N, BLOCK_K]` values in ``DTYPE`` (``EXPAND_PRMT`` needs a bf16 ``DTYPE``
+    and a GPU; with ``SPLIT`` it returns the values times 2**-8)."""
     if EXPAND == 2:
+        if SPLIT:
+            scale = scale.to(tl.float32) * _SPLIT_SCALE
         sb = scale.to(tl.float32).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
         pair = sb | (sb << 16)  # the scale in both halves of a bf16x2
         if KPERM:
@@ -108,7 +165,12 @@ def expand_nvfp4(
             pair = tl.broadcast_to(pair[:, :, None], (BLOCK_N, BLOCK_K // 16, 8))
         pair = tl.reshape(pair, (BLOCK_N, BLOCK_K // 2))
         o = tl.inline_asm_elementwise(
-            _PRMT_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, pair], dtype=tl.uint32, is_pure=True, pack=4
+            _SPLIT_ASM if SPLIT else _PRMT_ASM,
+            "=r,=r,=r,=r,r,r,r,r,r",
+            [packed, pair],
+            dtype=tl.uint32,
+            is_pure=True,
+            pack=4,
         )
         if KPERM:
             # After the expansion, so that the elementwise work keeps the load's layout and the permutation
@@ -118,6 +180,8 @@ def expand_nvfp4(
         hi = (o >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
     else:
+        if SPLIT:
+            packed = _join_split_bits(packed, BLOCK_N, BLOCK_K)
         if KPERM:
             packed = _natural_bytes(packed, BLOCK_N, BLOCK_K)
         x = packed.to(tl.uint16)
@@ -177,6 +241,7 @@ def grouped_gemm_nvfp4_kernel(
     GROUP_M: tl.constexpr,
     EXPAND: tl.constexpr,
     KPERM: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
@@ -222,22 +287,30 @@ def grouped_gemm_nvfp4_kernel(
         wb = w_desc.load([w_row, k0 // 2])
         s_ptrs += GROUPS_K
         ws_next = _load_scales(s_ptrs, offs_g, K - k0 - BLOCK_K)
-        acc = _product(a, expand_nvfp4(wb, ws, BLOCK_N, BLOCK_K, dtype, EXPAND, KPERM), acc, SWAP_AB)
+        acc = _product(a, expand_nvfp4(wb, ws, BLOCK_N, BLOCK_K, dtype, EXPAND, KPERM, SPLIT), acc, SWAP_AB)
         ws = ws_next
         if ACT != _ACT_NONE:
             ub = w_desc.load([w_row + N, k0 // 2])
             su_ptrs += GROUPS_K
             us_next = _load_scales(su_ptrs, offs_g, K - k0 - BLOCK_K)
-            acc_up = _product(a, expand_nvfp4(ub, us, BLOCK_N, BLOCK_K, dtype, EXPAND, KPERM), acc_up, SWAP_AB)
+            acc_up = _product(a, expand_nvfp4(ub, us, BLOCK_N, BLOCK_K, dtype, EXPAND, KPERM, SPLIT), acc_up, SWAP_AB)
             us = us_next
 
     if SWAP_AB:
         acc = tl.trans(acc)
         if ACT != _ACT_NONE:
             acc_up = tl.trans(acc_up)
-    acc *= tl.load(gs_ptr + expert * stride_ge)
+    gate_scale = tl.load(gs_ptr + expert * stride_ge)
     if ACT != _ACT_NONE:
-        acc_up *= tl.load(gs_ptr + expert * stride_ge + up_scale_offset)
+        up_scale = tl.load(gs_ptr + expert * stride_ge + up_scale_offset)
+    if SPLIT:
+        if EXPAND == 2:  # the GPU expansion of split bits leaves the weights times 2**-8 (exact)
+            gate_scale *= _SPLIT_UNSCALE
+            if ACT != _ACT_NONE:
+                up_scale *= _SPLIT_UNSCALE
+    acc *= gate_scale
+    if ACT != _ACT_NONE:
+        acc_up *= up_scale
         acc = gated_activation(acc, acc_up, alpha, limit, ACT)
 
     out_rows = (row0 + offs_m).to(tl.int64)
@@ -275,12 +348,13 @@ def launch(
     capacity: int,
     config: dict,
     kperm: bool = False,
+    split_bits: bool = False,
 ) -> None:
     """Launch on 2-D views: ``a [R, K]``, ``w [E, NW, K / 2]``, ``w_block_scale [E, NW, K / 16]``,
     ``w_global_scale`` `[E]` or `[E, 2]` (gate, up), ``out [R, N]``, all unit stride in the last dimension;
     ``counts`` `[E]` int32; ``offsets`` `[E]` int32 (contiguous) or None (masked: expert ``e`` at row
     ``e * capacity``). ``kperm``: ``w`` is in the K-permuted byte order of ``moe.packed_nvfp4`` (the config's
-    ``BLOCK_K`` a multiple of 64). The grid is a static bound from the layout's shape (no host sync)."""
+    ``BLOCK_K`` a multiple of 64); ``split_bits``: with split bits too (``kperm`` must be set). The grid is a static bound from the layout's shape (no host sync)."""
     num_experts, nw, half_k = w.shape
     k = 2 * half_k
     n = nw // 2 if act != ACT_NONE else nw
@@ -325,6 +399,7 @@ def launch(
         GROUP_M=config.get("GROUP_M", 8),
         EXPAND=expand_variant(config, a.dtype),
         KPERM=kperm,
+        SPLIT=split_bits,
         num_warps=config.get("num_warps", 4),
         num_stages=config.get("num_stages", 3),
     )

@@ -45,7 +45,7 @@ MAX_EXPERTS = 65535  # one grid row per expert
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "fim_sm90_nvfp4_w4a16_grouped": (
-        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp, _int, _int, _int, _int, _int, _int, _int, _float, _float, _int, _vp],
+        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp] + [_int] * 7 + [_float, _float, _int, _int, _vp],
         _int,
     )
 }
@@ -77,10 +77,13 @@ def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacit
     return a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
 
 
-def launch(a, w, w_block_scale, w_global_scale, out, counts, offsets, *, act, alpha, limit, capacity) -> None:
-    """Launch on ``a`` `[R, K]` (masked: `[E * C, K]`), ``w`` `[E, NW, K / 2]` (K-permuted), ``w_block_scale``
-    `[E, NW, K / 16]`, ``w_global_scale`` `[E]` or `[E, 2]`, ``out`` `[R, N]`, ``counts`` `[E]` int32,
-    ``offsets`` `[E]` int32 group starts (contiguous) or None (masked); no host sync."""
+def launch(
+    a, w, w_block_scale, w_global_scale, out, counts, offsets, *, act, alpha, limit, capacity, split_bits=False
+) -> None:
+    """Launch on ``a`` `[R, K]` (masked: `[E * C, K]`), ``w`` `[E, NW, K / 2]` (K-permuted; with ``split_bits``
+    in split bits too), ``w_block_scale`` `[E, NW, K / 16]`, ``w_global_scale`` `[E]` or `[E, 2]`, ``out``
+    `[R, N]`, ``counts`` `[E]` int32, ``offsets`` `[E]` int32 group starts (contiguous) or None (masked); no
+    host sync."""
     lib = kernel_library(SPEC.name, _SIGNATURES)
     num_experts, nw, half_k = w.shape
     scale = w_block_scale.contiguous()
@@ -106,6 +109,7 @@ def launch(a, w, w_block_scale, w_global_scale, out, counts, offsets, *, act, al
         alpha,
         limit,
         tile_for(_rows_per_expert(a.shape[0], num_experts, capacity if offsets is None else None)),
+        int(split_bits),
         stream_of(a),
     )
     check_launch(lib, status, "grouped_gemm_nvfp4 (sm90)")

@@ -12,6 +12,20 @@ Layout of ``PackedNvfp4Weights.data``: `[E, N, K / 2]` uint8 like the plain weig
 row, stored byte ``8 q + 2 c + h`` (``q``, ``c`` < 4, ``h`` < 2) is plain byte ``8 c + 4 h + q``. K must be a
 multiple of 64 (whole spans).
 
+Split bits (``split_bits=True``, opt-in): on top of the byte order, the 32 bits of each 4-byte word (little
+endian) are moved so that the kernels' expansion needs about half the integer instructions of the byte-table
+lookup. Byte ``j`` of a K-permuted word becomes the bf16 pair ``j`` (its low nibble the low half): with
+``PAIR_MASK`` = 0x81C081C0 (per half: the sign at bit 15, the 3-bit magnitude at bits 8..6),
+
+    pair0 = y & PAIR_MASK                pair1 = (y << 4) & PAIR_MASK
+    pair2 = rotl(y, 10) & PAIR_MASK      pair3 = ((y << 6) & 0x80C080C0) | (rotl(y, 14) & 0x01000100)
+
+and each half read as a bf16 is the E2M1 value times 2**-126 (code 1, 0.5, a bf16 subnormal). Times the block
+scale times 2**118 (at most 448 * 2**118, inside bf16's range), exact in bf16, it is the weight times 2**-8; the
+2**8 goes back with the global scale in fp32. No four shift-and-mask words can tile a 32-bit word (checked
+exhaustively), so the last pair takes two pieces: 5 masks and 2 rotations per 8 weights, plus two left shifts
+that ptxas can issue as multiplies, against the lookup's 10 ``prmt`` and 5 logic instructions.
+
 Dimension legend: ``E`` experts, ``N`` weight rows, ``K`` reduction.
 """
 
@@ -27,6 +41,35 @@ __all__ = ["PackedNvfp4Weights", "pack_nvfp4_weights"]
 
 K_MULTIPLE = 64  # K elements per permuted span (32 bytes)
 _SPAN = K_MULTIPLE // 2
+# The weight layouts the kernels read (the GEMM op's ``wlayout``): plain ModelOpt bytes, K-permuted, K-permuted
+# with split bits.
+PLAIN, KPERM, SPLIT_BITS = 0, 1, 2
+PAIR_MASK = 0x81C081C0
+SPLIT_BITS_SCALE = 2.0**118  # the block scale's factor with split bits (exact in bf16 up to E4M3's 448)
+SPLIT_BITS_UNSCALE = 2.0**8  # what the accumulators are multiplied by besides the global scale
+
+
+def _split_sources() -> tuple[int, ...]:
+    """``src[b]``: the bit of a split-bits word holding bit ``b`` of the K-permuted word, from the four pair
+    formulas in the module docstring (the kernels hard-code the same shifts and masks)."""
+    src = []
+    for b in range(32):
+        j, half, bit = b // 8, (b // 4) % 2, b % 4
+        t = 16 * half + (6 + bit if bit < 3 else 15)  # the bf16 bit this nibble bit must reach in pair j
+        if j == 0:
+            src.append(t)
+        elif j == 1:
+            src.append(t - 4)
+        elif j == 2:
+            src.append((t - 10) % 32)
+        else:
+            src.append(t - 6 if (0x80C080C0 >> t) & 1 else (t - 14) % 32)
+    assert sorted(src) == list(range(32)), src
+    return tuple(src)
+
+
+_SPLIT_SOURCES = _split_sources()
+_WORDS_PER_STEP = 1 << 22  # words converted at a time (int64 temporaries of 32 MB)
 
 
 class PackedNvfp4Weights(PackedWeights):
@@ -35,21 +78,33 @@ class PackedNvfp4Weights(PackedWeights):
 
     Attributes:
         data: `[E, N, K / 2]` uint8 in the permuted byte order.
+        split_bits: whether each 4-byte word's bits are split as well (see the module docstring).
     """
 
-    __slots__ = ()
+    __slots__ = ("split_bits",)
+
+    def __init__(self, data: torch.Tensor, split_bits: bool = False):
+        super().__init__(data)
+        self.split_bits = bool(split_bits)
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """``(E, N, K / 2)``, the plain weights' shape."""
         return tuple(self.data.shape)
 
+    @property
+    def layout(self) -> int:
+        """The kernels' code for this layout: ``KPERM`` or ``SPLIT_BITS``."""
+        return SPLIT_BITS if self.split_bits else KPERM
+
     def unpack(self) -> torch.Tensor:
         """The plain `[E, N, K / 2]` weights these were permuted from."""
-        return _permute(self.data, pack=False)
+        data = _split_bits(self.data, forward=False) if self.split_bits else self.data
+        return _permute(data, pack=False)
 
     def __repr__(self) -> str:
-        return f"PackedNvfp4Weights(shape={self.shape}, device={self.device})"
+        extra = ", split_bits=True" if self.split_bits else ""
+        return f"PackedNvfp4Weights(shape={self.shape}{extra}, device={self.device})"
 
 
 def _permute(w: torch.Tensor, pack: bool) -> torch.Tensor:
@@ -77,20 +132,43 @@ def check_packable(name: str, w: object) -> torch.Tensor:
     return w
 
 
-def pack_nvfp4_weights(w) -> PackedNvfp4Weights:
+def pack_nvfp4_weights(w, *, split_bits: bool = False) -> PackedNvfp4Weights:
     """K-permutes NVFP4 expert weights for the Hopper W4A16 kernel (once, at load time).
 
     Args:
         w: `[E, N, K / 2]` uint8 (ModelOpt ``weight``: two E2M1 codes per byte, element ``2i`` in the low
             nibble), ``K`` a multiple of 64.
+        split_bits: also split each 4-byte word's bits for the shift-and-mask expansion (module docstring).
+            Opt-in: docs/perf.md says what was measured of it.
 
     Returns:
         :class:`PackedNvfp4Weights` on ``w``'s device (a new tensor; ``w`` is not changed).
     """
     if isinstance(w, PackedNvfp4Weights):
         raise TypeError("w must be plain [E, N, K / 2] uint8 weights, got PackedNvfp4Weights (already packed)")
+    if not isinstance(split_bits, bool):
+        raise TypeError(f"split_bits must be a bool, got {type(split_bits).__name__}")
     w = check_packable("w", w)
-    return PackedNvfp4Weights(_permute(w, pack=True))
+    data = _permute(w, pack=True)
+    return PackedNvfp4Weights(_split_bits(data, forward=True) if split_bits else data, split_bits)
+
+
+def _split_bits(w: torch.Tensor, forward: bool) -> torch.Tensor:
+    """K-permuted bytes `[..., K / 2]` with each 4-byte word's bits split (``forward``) or joined back, as a new
+    contiguous tensor (in steps of ``_WORDS_PER_STEP`` words, for the int64 temporaries)."""
+    words = w.contiguous().view(torch.int32).reshape(-1)
+    out = torch.empty_like(words)
+    moves: dict[int, int] = {}  # shift (destination - source bit) -> mask of the source bits it moves
+    for b, dst in enumerate(_SPLIT_SOURCES):
+        src, d = (b, dst - b) if forward else (dst, b - dst)
+        moves[d] = moves.get(d, 0) | (1 << src)
+    for i in range(0, words.numel(), _WORDS_PER_STEP):
+        x = words[i : i + _WORDS_PER_STEP].to(torch.int64) & 0xFFFFFFFF
+        y = torch.zeros_like(x)
+        for d, mask in moves.items():
+            y |= (x & mask) << d if d >= 0 else (x & mask) >> -d
+        out[i : i + _WORDS_PER_STEP] = (y - ((y >> 31) << 32)).to(torch.int32)  # as signed 32-bit
+    return out.view(torch.uint8).reshape(w.shape)
 
 
 @torch.no_grad()

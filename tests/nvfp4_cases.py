@@ -56,7 +56,7 @@ def grouped_reference(a, w, block_scale, global_scale, counts, offsets, activati
     return out
 
 
-def launch_kernel(kernel, a, w, s, gs, out, counts, offsets, act, capacity, kperm=False, **cfg):
+def launch_kernel(kernel, a, w, s, gs, out, counts, offsets, act, capacity, kperm=False, split_bits=False, **cfg):
     """One launch of the Triton kernel with a small tile config (``cfg`` overrides it)."""
     config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2, GROUP_M=2) | cfg
     kernel.launch(
@@ -73,4 +73,5 @@ def launch_kernel(kernel, a, w, s, gs, out, counts, offsets, act, capacity, kper
         capacity=capacity,
         config=config,
         kperm=kperm,
+        split_bits=split_bits,
     )

@@ -73,20 +73,29 @@ def test_masked(rng, act, capacity):
         assert got[e, c:].isnan().all()
 
 
-@pytest.mark.parametrize("kperm", [False, True])
+def _stored(w, wlayout):
+    """``w`` as the kernel reads it in ``wlayout`` (plain, K-permuted, split bits) and the launch's flags."""
+    if wlayout == "plain":
+        return w, dict(kperm=False)
+    split = wlayout == "split"
+    return fm.pack_nvfp4_weights(w, split_bits=split).data, dict(kperm=True, split_bits=split)
+
+
+@pytest.mark.parametrize("wlayout", ["plain", "kperm", "split"])
 @pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize(
     "name", ["decode", "decode_gated", "mid64", "mid64_gated", "mid", "mid_gated", "prefill", "prefill_gated"]
 )
-def test_every_config(rng, name, swap, kperm):
-    """Each tile config of the table, in both operand orders, on plain and K-permuted weights, on a shape that
-    is partial in every dimension (K-permuted weights come in whole 64-element spans)."""
+def test_every_config(rng, name, swap, wlayout):
+    """Each tile config of the table, in both operand orders, on plain, K-permuted and split-bits weights, on a
+    shape that is partial in every dimension (K-permuted weights come in whole 64-element spans)."""
     from flashinfer_moe.moe import gemm_nvfp4_kernel as kernel
 
     seed, g = rng
     gated = name.endswith("gated")
     counts = torch.tensor([0, 1, 127, 33, 300], dtype=torch.int32)
     offsets = torch.cat((torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()))
+    kperm = wlayout != "plain"
     rows, n, k = int(counts.sum()), 200, 320 if kperm else 224
     a = torch.randn(rows, k, generator=g).bfloat16().to(DEV)
     w, s, gs = random_nvfp4(5, 2 * n if gated else n, k, g, gated=gated)
@@ -94,9 +103,10 @@ def test_every_config(rng, name, swap, kperm):
     table = kernel.CONFIGS_KPERM if kperm else {}
     cfg = dict(table.get(name, kernel.CONFIGS[name]), SWAP_AB=swap)
     act = 1 if gated else 0
+    stored, flags = _stored(w, wlayout)
     kernel.launch(
         a,
-        fm.pack_nvfp4_weights(w).data if kperm else w,
+        stored,
         s,
         gs,
         out,
@@ -107,7 +117,7 @@ def test_every_config(rng, name, swap, kperm):
         limit=7.0,
         capacity=2**31 - 1,
         config=cfg,
-        kperm=kperm,
+        **flags,
     )
     torch.cuda.synchronize()
     want = grouped_reference(a, w, s, gs, counts, offsets, "silu" if gated else None)
@@ -115,13 +125,14 @@ def test_every_config(rng, name, swap, kperm):
     assert not out.isnan().any()
 
 
-@pytest.mark.parametrize("kperm", [False, True])
-@pytest.mark.parametrize("expand", [0, 2])  # the portable expansion and the prmt lookup
+@pytest.mark.parametrize("wlayout", ["plain", "kperm", "split"])
+@pytest.mark.parametrize("expand", [0, 2])  # the portable expansion and the GPU one (prmt lookup or split bits)
 @pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize("name", ["decode", "mid", "prefill"])
-def test_every_code_expands_exactly(name, swap, expand, kperm):
+def test_every_code_expands_exactly(name, swap, expand, wlayout):
     """a = I: the output is the expanded weights themselves, every E2M1 code under every finite E4M3 scale
-    (subnormals included), bit for bit the reference's dequantization (nothing flushed to zero)."""
+    (subnormals included), bit for bit the reference's dequantization (nothing flushed to zero; with split bits
+    code 1 is a bf16 subnormal before its scale)."""
     from flashinfer_moe import reference_quant as rq
     from flashinfer_moe.moe import gemm_nvfp4_kernel as kernel
 
@@ -135,9 +146,10 @@ def test_every_code_expands_exactly(name, swap, expand, kperm):
     out = torch.full((k, n), float("nan"), device=DEV)
     counts, offsets = torch.tensor([k], dtype=torch.int32), torch.tensor([0, k], dtype=torch.int32)
     cfg = dict(kernel.CONFIGS[name], SWAP_AB=swap, EXPAND=expand)
+    stored, flags = _stored(w, wlayout)
     kernel.launch(
         eye,
-        (fm.pack_nvfp4_weights(w).data if kperm else w).to(DEV),
+        stored.to(DEV),
         scales.to(DEV),
         torch.ones(1, device=DEV),
         out,
@@ -148,7 +160,7 @@ def test_every_code_expands_exactly(name, swap, expand, kperm):
         limit=7.0,
         capacity=2**31 - 1,
         config=cfg,
-        kperm=kperm,
+        **flags,
     )
     torch.cuda.synchronize()
     assert torch.equal(out.cpu().t(), rq.dequantize_nvfp4(w, scales, 1.0)[0])
@@ -162,7 +174,8 @@ def test_every_code_expands_exactly(name, swap, expand, kperm):
         ("qwen3_235b_a22b", 128, 8, 4096, 1536),
     ],
 )
-@pytest.mark.parametrize("num_tokens, packed", [(1, False), (127, False), (1, True), (127, True)])
+@pytest.mark.parametrize("num_tokens", [1, 127])
+@pytest.mark.parametrize("packed", ["plain", "kperm", "split"])
 def test_fused_moe_model_shapes(rng, model, num_experts, top_k, hidden, inter, num_tokens, packed):
     seed, g = rng
     x = torch.randn(num_tokens, hidden, generator=g).bfloat16().to(DEV)
@@ -171,8 +184,10 @@ def test_fused_moe_model_shapes(rng, model, num_experts, top_k, hidden, inter, n
     weights, ids = fm.route(torch.randn(num_tokens, num_experts, generator=g).to(DEV), top_k)
     out = torch.full_like(x, float("nan"))
     kw = dict(quant="nvfp4", w13_scale=s13, w2_scale=s2, w13_global_scale=g13, w2_global_scale=g2)
-    if packed:  # K-permuted at load time
-        fm.fused_moe(x, fm.pack_nvfp4_weights(w13), fm.pack_nvfp4_weights(w2), weights, ids, out=out, **kw)
+    if packed != "plain":  # K-permuted at load time (with split bits)
+        split = packed == "split"
+        w13p, w2p = fm.pack_nvfp4_weights(w13, split_bits=split), fm.pack_nvfp4_weights(w2, split_bits=split)
+        fm.fused_moe(x, w13p, w2p, weights, ids, out=out, **kw)
     else:
         fm.fused_moe(x, w13, w2, weights, ids, out=out, **kw)
     # float64 model, expert by expert (only the routed ones are dequantized)

@@ -33,17 +33,19 @@ def _assert_taken(a, w, out, offsets, capacity, act):
     )
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("act", [None, "silu", "clamped_silu"])
 @pytest.mark.parametrize("capacity", [1, 5, 8, 16, 31, 64, 100, 128])
-def test_masked(rng, capacity, act, out_dtype):
-    """n = 192 output columns: the second CTA column's second warpgroup has no rows; K = 320: a partial stage."""
+def test_masked(rng, capacity, act, out_dtype, split):
+    """n = 192 output columns: the second CTA column's second warpgroup has no rows; K = 320: a partial stage;
+    K-permuted weights and split bits."""
     seed, g = rng
     num_experts, n, k = 5, 192, 320
     gated = act is not None
     a = torch.randn(num_experts, capacity, k, generator=g).bfloat16().to(DEV)
     w, s, gs = (t.to(DEV) for t in nvfp4_weights(num_experts, 2 * n if gated else n, k, g, gated=gated))
-    wp = fm.pack_nvfp4_weights(w)
+    wp = fm.pack_nvfp4_weights(w, split_bits=split)
     given = torch.tensor([capacity, 0, 1, capacity // 2, capacity + 5], dtype=torch.int32)  # past C: clamped
     counts = given.clamp(max=capacity)
     out = torch.full((num_experts, capacity, n), float("nan"), dtype=out_dtype, device=DEV)
@@ -62,20 +64,21 @@ def test_masked(rng, capacity, act, out_dtype):
 # The last two have fewer rows than experts at block_rows 1 and 2 (the kernel's grid then has a CTA row per
 # row, each serving the group that starts there): leading and trailing empty experts, padding rows, and a group
 # of 20 rows (three 8-token tiles).
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("act", [None, "silu"])
 @pytest.mark.parametrize("block_rows", [1, 2, 128])
 @pytest.mark.parametrize(
     "counts",
     [[0, 1, 7, 33, 0, 2], [3], [70, 0, 0, 1], [0, 1, 0, 0, 2, 0, 0, 1, 0, 0, 0, 3], [0] * 10 + [20] + [0] * 19],
 )
-def test_contiguous(rng, counts, block_rows, act):
+def test_contiguous(rng, counts, block_rows, act, split):
     seed, g = rng
     n, k = 256, 448
     gated = act is not None
     layout = contiguous_layout(counts, block_rows, DEV)
     a = torch.randn(layout.num_rows, k, generator=g).bfloat16().to(DEV)
     w, s, gs = (t.to(DEV) for t in nvfp4_weights(len(counts), 2 * n if gated else n, k, g, gated=gated))
-    wp = fm.pack_nvfp4_weights(w)
+    wp = fm.pack_nvfp4_weights(w, split_bits=split)
     out = torch.full((layout.num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     taken = sm90.usable(a, wp.data, out, layout.expert_offsets, 2**31 - 1, int(gated), True)
     assert taken == (-(-layout.num_rows // len(counts)) <= sm90.MAX_MEAN_ROWS)
@@ -105,17 +108,18 @@ def test_deepseek_decode_shape(rng):
         assert rel_err(out.cpu()[e, :c], want[e, :c]) < 1e-2, (seed, e)
 
 
-def test_every_code_expands_exactly():
+@pytest.mark.parametrize("split", [False, True])
+def test_every_code_expands_exactly(split):
     """a = I (64 rows per expert, four experts covering K = 256): the output is the expanded weights themselves,
     every E2M1 code under every finite E4M3 scale (subnormals and zero included) and their signs, bit for bit
-    the reference's dequantization."""
+    the reference's dequantization (with split bits, code 1 is a bf16 subnormal before its scale)."""
     k, num_experts = 256, 4
     n = 16 * 128  # 16 codes x 127 finite non-negative scales (+ 16 rows of scale 0)
     codes = torch.arange(16, dtype=torch.uint8).repeat(n, k // 16).view(1, n, k)
     scales = (torch.arange(128, dtype=torch.uint8) % 127).repeat_interleave(16)[:, None].expand(n, k // 16)
     scales = scales.clone().view(FP8)[None]
     w = rq.pack_nibbles(codes)
-    wp = fm.pack_nvfp4_weights(w.expand(num_experts, -1, -1).contiguous().to(DEV))
+    wp = fm.pack_nvfp4_weights(w.expand(num_experts, -1, -1).contiguous().to(DEV), split_bits=split)
     eye = torch.eye(k, dtype=torch.bfloat16, device=DEV).view(num_experts, 64, k)
     out = torch.full((num_experts, 64, n), float("nan"), device=DEV)
     counts = torch.full((num_experts,), 64, dtype=torch.int32, device=DEV)
@@ -124,6 +128,26 @@ def test_every_code_expands_exactly():
     fm.grouped_gemm_nvfp4_masked(eye, wp, s, ones, counts, out_dtype=torch.float32, out=out)
     torch.cuda.synchronize()
     assert torch.equal(out.cpu().reshape(k, n).t(), rq.dequantize_nvfp4(w, scales, 1.0)[0])
+
+
+@pytest.mark.parametrize("act", [None, "silu"])
+@pytest.mark.parametrize("capacity", [1, 8, 16, 64])
+def test_split_bits_equal_k_permuted_bit_for_bit(rng, capacity, act):
+    """Split bits only move where the kernel finds each code and scale the products by powers of two, so the
+    outputs equal the K-permuted weights' bit for bit (DeepSeek-V3's GEMM2 shape, (7168, 2048), and GEMM1's)."""
+    seed, g = rng
+    num_experts, k = 4, 2048
+    n = 2 * 2048 if act else 7168
+    a = torch.randn(num_experts, capacity, k, generator=g).bfloat16().to(DEV)
+    w, s, gs = (t.to(DEV) for t in nvfp4_weights(num_experts, n, k, g, gated=act is not None))
+    counts = torch.tensor([capacity, 0, 1, max(1, capacity // 3)], dtype=torch.int32, device=DEV)
+    outs = []
+    for split in (False, True):
+        out = torch.full((num_experts, capacity, n // 2 if act else n), float("nan"), dtype=torch.float32, device=DEV)
+        wp = fm.pack_nvfp4_weights(w, split_bits=split)
+        fm.grouped_gemm_nvfp4_masked(a, wp, s, gs, counts, activation=act, out_dtype=torch.float32, out=out)
+        outs.append(out.cpu())
+    assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)), seed
 
 
 def test_backend_triton_turns_it_off(monkeypatch):

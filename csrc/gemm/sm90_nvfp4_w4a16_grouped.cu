@@ -16,7 +16,9 @@
 // Expansion: a byte-permute lookup turns four bytes into four bf16x2 (two tables of the bf16 high and low
 // bytes of the eight E2M1 magnitudes, the sign bits replicated into the high bytes), then one bf16x2 multiply
 // by the block scale applies it exactly (E2M1 x E4M3 has at most 6 significant bits). Each warpgroup converts
-// its block scales to those bf16x2 factors once per stage, into shared memory.
+// its block scales to those bf16x2 factors once per stage, into shared memory. Weights packed with split bits
+// (moe/packed_nvfp4.py) skip the lookup: shifts and masks put each word's bits straight into bf16 pairs that
+// read as the values times 2**-126, the factors carry 2**118 and the global scale 2**8 (expand4_split).
 //
 // Structure: two warpgroups per CTA, 64 weight rows each (with an activation: warpgroup 0 the 64 gate rows,
 // warpgroup 1 their 64 up rows, the up accumulators passed to warpgroup 0 through shared memory at the end), one
@@ -114,11 +116,31 @@ __device__ __forceinline__ void expand4(const Tables& tb, uint32_t x, uint32_t s
       : "r"(x), "r"(s01), "r"(s23), "r"(tb.lo0), "r"(tb.lo1), "r"(tb.hi0), "r"(tb.hi1));
 }
 
-// Two E4M3 scales (the low 16 bits of v) -> a bf16x2 holding the first twice and one holding the second twice
-// (exact: an E4M3 is an fp16 and a bf16).
-__device__ __forceinline__ void scale_pairs(uint32_t v, uint32_t& p0, uint32_t& p1) {
+// Split-bits words (moe/packed_nvfp4.py): four bytes' eight E2M1 codes -> four bf16x2 by shifts, rotations and
+// masks alone (each half: sign at bit 15, magnitude at bits 8..6, read as the value times 2**-126, code 1 a bf16
+// subnormal), then times the scale pairs, which carry 2**118: the weights times 2**-8, exact. 7 integer-pipe
+// instructions per 8 weights (5 masks, 2 rotations; the two left shifts may issue as IMAD) against the lookup's 15.
+__device__ __forceinline__ void expand4_split(uint32_t y, uint32_t s01, uint32_t s23, uint32_t& o0, uint32_t& o1,
+                                              uint32_t& o2, uint32_t& o3) {
+  constexpr uint32_t kPair = 0x81C081C0u;
+  const uint32_t p0 = y & kPair;
+  const uint32_t p1 = (y << 4) & kPair;
+  const uint32_t p2 = __funnelshift_l(y, y, 10) & kPair;
+  const uint32_t p3 = ((y << 6) & 0x80C080C0u) | (__funnelshift_l(y, y, 14) & 0x01000100u);
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(o0) : "r"(p0), "r"(s01));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(o1) : "r"(p1), "r"(s01));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(o2) : "r"(p2), "r"(s23));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(o3) : "r"(p3), "r"(s23));
+}
+
+// Two E4M3 scales (the low 16 bits of v) -> a bf16x2 holding the first twice and one holding the second twice,
+// times ``factor`` (1, or 2**118 for split bits: exact, an E4M3 is an fp16 and a bf16, and 448 * 2**118 is
+// inside bf16's range).
+__device__ __forceinline__ void scale_pairs(uint32_t v, float factor, uint32_t& p0, uint32_t& p1) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xFFFF), __NV_E4M3);
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  f.x *= factor;
+  f.y *= factor;
   const __nv_bfloat162 b0 = __floats2bfloat162_rn(f.x, f.x);
   const __nv_bfloat162 b1 = __floats2bfloat162_rn(f.y, f.y);
   p0 = *reinterpret_cast<const uint32_t*>(&b0);
@@ -135,11 +157,12 @@ __device__ __forceinline__ float gated(float gate, float up, int act, float alph
 #endif
 
 // T: tokens per tile (wgmma's N); GATED: warpgroup 0 holds 64 gate rows and warpgroup 1 their 64 up rows;
-// STAGES: shared-memory stages, each the activations, weights and scales of 256 K.
-template <int T, bool GATED, int STAGES>
+// STAGES: shared-memory stages, each the activations, weights and scales of 256 K; SPLIT: split-bits weights.
+template <int T, bool GATED, int STAGES, bool SPLIT>
 __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int R = T / 2;  // accumulator floats per thread
+  constexpr float kScaleFactor = SPLIT ? 0x1p118f : 1.0f, kUnscale = SPLIT ? 256.0f : 1.0f;
   // Fragment buffers: with two, a span's expansion runs while the previous span's wgmma group is in flight
   // (ptxas would otherwise give every span's fragments the same registers, see the span loop). Only for 8-token
   // tiles without the activation: elsewhere the extra 16 registers per thread, at the 128 that two CTAs per SM
@@ -284,10 +307,10 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid
         // instructions, the pipe that sets the time).
         const uint2 raw = lds64(buf + kXBytes + kWStageBytes + conv_row * 16 + 8 * conv_half);
         uint32_t pr[8];
-        scale_pairs(raw.x, pr[0], pr[1]);
-        scale_pairs(raw.x >> 16, pr[2], pr[3]);
-        scale_pairs(raw.y, pr[4], pr[5]);
-        scale_pairs(raw.y >> 16, pr[6], pr[7]);
+        scale_pairs(raw.x, kScaleFactor, pr[0], pr[1]);
+        scale_pairs(raw.x >> 16, kScaleFactor, pr[2], pr[3]);
+        scale_pairs(raw.y, kScaleFactor, pr[4], pr[5]);
+        scale_pairs(raw.y >> 16, kScaleFactor, pr[6], pr[7]);
         const uint32_t dst = pairs + conv_row * 64 + 32 * conv_half;
         sts128(dst, pr[0], pr[1], pr[2], pr[3]);
         sts128(dst + 16, pr[4], pr[5], pr[6], pr[7]);
@@ -309,12 +332,20 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid
           const uint2 wv = lds64(w_span + 1024 * j);
           const uint4 sp = lds128(s_thread + 512 * j + 16 * d);  // groups 4 d ... 4 d + 3
           uint32_t o[4];
-          expand4(tables, wv.x, sp.x, sp.y, o[0], o[1], o[2], o[3]);
+          if constexpr (SPLIT) {
+            expand4_split(wv.x, sp.x, sp.y, o[0], o[1], o[2], o[3]);
+          } else {
+            expand4(tables, wv.x, sp.x, sp.y, o[0], o[1], o[2], o[3]);
+          }
           af[b][0][j] = o[0];
           af[b][0][2 + j] = o[1];
           af[b][1][j] = o[2];
           af[b][1][2 + j] = o[3];
-          expand4(tables, wv.y, sp.z, sp.w, o[0], o[1], o[2], o[3]);
+          if constexpr (SPLIT) {
+            expand4_split(wv.y, sp.z, sp.w, o[0], o[1], o[2], o[3]);
+          } else {
+            expand4(tables, wv.y, sp.z, sp.w, o[0], o[1], o[2], o[3]);
+          }
           af[b][2][j] = o[0];
           af[b][2][2 + j] = o[1];
           af[b][3][j] = o[2];
@@ -339,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid
     fence_regs(acc);
     __syncthreads();  // every stage read: the gated exchange below and the next tile reuse the buffers
 
-    const float g0 = __ldg(p.gscale + e * p.gscale_stride);
+    const float g0 = __ldg(p.gscale + e * p.gscale_stride) * kUnscale;
     if constexpr (GATED) {
       // The up rows' accumulators go to warpgroup 0 through shared memory, [i][thread] (no bank conflicts).
       const uint32_t xchg = base + 4 * (threadIdx.x & 127);
@@ -352,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid
         __syncthreads();
         continue;
       }
-      const float g1 = __ldg(p.gscale + e * p.gscale_stride + p.gscale_stride - 1);
+      const float g1 = __ldg(p.gscale + e * p.gscale_stride + p.gscale_stride - 1) * kUnscale;
 #pragma unroll
       for (int i = 0; i < R; ++i) acc[i] = gated(acc[i] * g0, lds(xchg + 512 * i) * g1, p.act, p.alpha, p.limit);
     } else {
@@ -394,44 +425,51 @@ constexpr int stages_for() {
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
 }
 
-template <int T, bool GATED>
+template <int T, bool GATED, bool SPLIT>
 cudaError_t launch(const Params& p, int grid_rows, cudaStream_t stream) {
   constexpr int kStages = stages_for<T>();
   constexpr int kSmem = kStages * (T * kStageK * 2 + kWStageBytes + kSStageBytes) + kPairBytes + 1024;
-  cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, GATED, kStages>>(kSmem);
+  cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, GATED, kStages, SPLIT>>(kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.n_out + (GATED ? 63 : 127)) / (GATED ? 64 : 128), grid_rows);
-  nvfp4_grouped_kernel<T, GATED, kStages><<<grid, kThreads, kSmem, stream>>>(p);
+  nvfp4_grouped_kernel<T, GATED, kStages, SPLIT><<<grid, kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <bool GATED>
+template <bool GATED, bool SPLIT>
 cudaError_t launch_tile(const Params& p, int grid_rows, int tile, cudaStream_t stream) {
   switch (tile) {
     case 8:
-      return launch<8, GATED>(p, grid_rows, stream);
+      return launch<8, GATED, SPLIT>(p, grid_rows, stream);
     case 16:
-      return launch<16, GATED>(p, grid_rows, stream);
+      return launch<16, GATED, SPLIT>(p, grid_rows, stream);
     case 32:
-      return launch<32, GATED>(p, grid_rows, stream);
+      return launch<32, GATED, SPLIT>(p, grid_rows, stream);
     case 64:
-      return launch<64, GATED>(p, grid_rows, stream);
+      return launch<64, GATED, SPLIT>(p, grid_rows, stream);
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+template <bool SPLIT>
+cudaError_t launch_act(const Params& p, int grid_rows, int tile, cudaStream_t stream) {
+  return p.act ? launch_tile<true, SPLIT>(p, grid_rows, tile, stream)
+               : launch_tile<false, SPLIT>(p, grid_rows, tile, stream);
 }
 
 }  // namespace sm90_nvfp4
 }  // namespace fim
 
 // tile: tokens per CTA tile (8, 16, 32 or 64); act 0 (none: out [rows, nw]) or 1/2 (gated: out [rows, nw / 2]);
+// split_bits: the weights' words have split bits (moe/packed_nvfp4.py), else they are K-permuted bytes;
 // offsets null for the masked layout (capacity C), else the contiguous layout's group starts, non-decreasing
 // (capacity: a bound); rows: the rows of a (at least 1). K a multiple of 64, nw (and nw / 2 when gated) a
 // multiple of 64, all pointers 16-byte aligned.
 extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const void* scale, const float* gscale,
                                             int gscale_stride, const int32_t* counts, const int32_t* offsets, void* out,
                                             int out_f32, int num_experts, int rows, int capacity, int nw, int k,
-                                            int act, float alpha, float limit, int tile, void* stream) {
+                                            int act, float alpha, float limit, int tile, int split_bits, void* stream) {
   using namespace fim::sm90_nvfp4;
   if (k % 64 || nw % 64 || (act && nw % 128) || capacity <= 0 || rows <= 0) return cudaErrorInvalidValue;
   const int row_map = offsets != nullptr && rows < num_experts;
@@ -455,5 +493,5 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
                  row_map};
   const auto s = static_cast<cudaStream_t>(stream);
   const int grid_rows = row_map ? rows : num_experts;
-  return act ? launch_tile<true>(p, grid_rows, tile, s) : launch_tile<false>(p, grid_rows, tile, s);
+  return split_bits ? launch_act<true>(p, grid_rows, tile, s) : launch_act<false>(p, grid_rows, tile, s);
 }
