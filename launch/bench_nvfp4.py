@@ -19,7 +19,7 @@ K-permuted weights (``pack_nvfp4_weights``) for ``CONFIGS_KPERM``. Every table a
 weights (``nvfp4_kperm``: on Hopper the CUDA kernel where it takes the call), and the masked and fused tables
 the same on the Triton kernel alone (``nvfp4_kperm_triton``); the masked table also on the CUDA kernel
 wherever it can take the call (``nvfp4_kperm_cuda``, its default routing limit lifted); the masked and fused
-tables time weights packed with split bits the same ways (``nvfp4_split*``). --sass DIR writes the SASS (and
+tables time weights packed with split bits the same ways (``nvfp4_split*``), the contiguous table too. --sass DIR writes the SASS (and
 TTGIR/PTX) of every compiled NVFP4 kernel and prints its count of wgmma (HGMMA) instructions.
 
 Times are medians of CUDA-graph replays, NVFP4 and FP8 timed in turn, each after a short settle of its own
@@ -46,6 +46,7 @@ if __name__ == "__main__":
     require_gpus(1)
 
 from bench_gemm import _fp8_rows, _fp8_weights, _layout, tflops  # noqa: E402
+from nvfp4_sweep_space import SWEEP  # noqa: E402
 
 import flashinfer_moe as fm  # noqa: E402
 from flashinfer_moe.moe import gemm_nvfp4_kernel as kernel  # noqa: E402
@@ -111,70 +112,6 @@ def timed(fns: dict, calls: int = 6, reps: int = 7) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------- sweep
-
-
-def _cfg(bm, bn, bk, warps, stages, swap=True, group_m=8):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SWAP_AB=swap, GROUP_M=group_m)
-
-
-# Per class: (problem, candidates); the table's current config is tried first.
-SWEEP = {
-    "decode": (
-        ("masked", 32, 16, 4096, 7168, False),
-        [
-            _cfg(16, 64, 128, 4, 6),
-            _cfg(16, 128, 64, 4, 6),
-            _cfg(16, 128, 128, 4, 6),
-            _cfg(16, 256, 64, 8, 4),
-            _cfg(16, 128, 128, 8, 4),
-            _cfg(32, 128, 128, 4, 4),
-        ],
-    ),
-    "decode_gated": (
-        ("masked", 32, 16, 4096, 7168, True),
-        [_cfg(16, 128, 64, 4, 4), _cfg(16, 64, 128, 4, 6), _cfg(16, 128, 128, 8, 4), _cfg(32, 64, 128, 4, 4)],
-    ),
-    "mid64": (
-        ("masked", 32, 64, 4096, 7168, False),
-        [_cfg(64, 64, 128, 4, 4), _cfg(64, 128, 128, 4, 4), _cfg(64, 256, 64, 8, 3), _cfg(128, 128, 64, 8, 3)],
-    ),
-    "mid64_gated": (
-        ("masked", 32, 64, 4096, 7168, True),
-        [_cfg(64, 64, 128, 4, 4), _cfg(64, 128, 64, 8, 3), _cfg(128, 64, 64, 8, 3)],
-    ),
-    "mid": (
-        ("masked", 32, 128, 4096, 7168, False),
-        [
-            _cfg(64, 128, 128, 4, 4),
-            _cfg(128, 128, 64, 8, 3),
-            _cfg(64, 256, 64, 8, 3),
-            _cfg(64, 128, 64, 4, 4, swap=False),
-        ],
-    ),
-    "mid_gated": (
-        ("masked", 32, 128, 4096, 7168, True),
-        [_cfg(64, 128, 64, 8, 3), _cfg(64, 64, 128, 4, 4), _cfg(128, 64, 64, 8, 3), _cfg(64, 64, 64, 4, 4, swap=False)],
-    ),
-    "prefill": (
-        ("contiguous", 8, 4096, 4096, 7168, False),
-        [
-            _cfg(128, 256, 64, 8, 3),
-            _cfg(256, 128, 64, 8, 3),
-            _cfg(128, 128, 128, 8, 3),
-            _cfg(128, 128, 64, 8, 4),
-            _cfg(128, 128, 64, 8, 3, swap=False),
-        ],
-    ),
-    "prefill_gated": (
-        ("contiguous", 8, 4096, 4096, 7168, True),
-        [
-            _cfg(128, 128, 64, 8, 3),
-            _cfg(256, 64, 64, 8, 3),
-            _cfg(128, 64, 128, 8, 3),
-            _cfg(128, 64, 64, 8, 3, swap=False),
-        ],
-    ),
-}
 
 
 def sweep(rows: list[dict], kperm: bool = False) -> dict[str, dict]:
@@ -328,7 +265,7 @@ def contiguous_rows(rows: list[dict]) -> None:
         a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         aq, a_s = _fp8_rows(m, k)
         w, s, gs = nvfp4_weights(e, n, k)
-        wp = fm.pack_nvfp4_weights(w)
+        wp, wb = fm.pack_nvfp4_weights(w), fm.pack_nvfp4_weights(w, split_bits=True)
         w8, s8 = _fp8_weights(e, n, k)
         out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
         t = timed(
@@ -336,6 +273,9 @@ def contiguous_rows(rows: list[dict]) -> None:
                 "nvfp4": lambda i: fm.grouped_gemm_nvfp4_contiguous(a, w, s, gs, layout, validate=False, out=out),
                 "nvfp4_kperm": lambda i: fm.grouped_gemm_nvfp4_contiguous(
                     a, wp, s, gs, layout, validate=False, out=out
+                ),
+                "nvfp4_split": lambda i: fm.grouped_gemm_nvfp4_contiguous(
+                    a, wb, s, gs, layout, validate=False, out=out
                 ),
                 "fp8": lambda i: fm.grouped_gemm_fp8_block_contiguous(aq, a_s, w8, s8, layout, out=out),
             },
@@ -355,6 +295,7 @@ def contiguous_rows(rows: list[dict]) -> None:
                 fp8_us=t["fp8"],
                 nvfp4_tflops=tflops(flops, t["nvfp4"]),
                 nvfp4_kperm_tflops=tflops(flops, t["nvfp4_kperm"]),
+                nvfp4_split_tflops=tflops(flops, t["nvfp4_split"]),
                 fp8_tflops=tflops(flops, t["fp8"]),
                 nvfp4_vs_fp8=t["fp8"] / t["nvfp4"],
                 kperm_vs_fp8=t["fp8"] / t["nvfp4_kperm"],
