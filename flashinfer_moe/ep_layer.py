@@ -488,10 +488,10 @@ class EPMoELayer(nn.Module):
         with SafetensorsMapping(path) as weights:
             self.load_expert_weights(weights, prefix)
 
-    def pack_weights(self) -> None:
-        """Packs the local experts' FP8 block weights for the Hopper decode kernel, or K-permutes NVFP4 ones
-        (:meth:`MoELayer.pack_weights`)."""
-        self.experts.pack_weights()
+    def pack_weights(self, split_bits: bool = False) -> None:
+        """Packs the local experts' FP8 block weights for the Hopper decode kernel, or K-permutes NVFP4 ones (with
+        ``split_bits``, into split bits; :meth:`MoELayer.pack_weights`)."""
+        self.experts.pack_weights(split_bits)
         self._drop_graphs()
 
     def close(self) -> None:

@@ -152,6 +152,7 @@ class MoELayer(nn.Module):
         self.limit = _checks.positive_float("limit", limit)
         self.params_dtype = params_dtype
         self.weights_packed = False
+        self.nvfp4_split_bits = False  # packed NVFP4 weights in split bits (pack_weights(split_bits=True))
         self.cuda_graphs = bool(cuda_graphs)
         self._graphs: ShapeGraphs | None = None
 
@@ -200,7 +201,7 @@ class MoELayer(nn.Module):
             parts.append(f"alpha={self.alpha}, limit={self.limit}")
         parts.append(f"params_dtype={_dtype_name(self.params_dtype)}")
         if self.weights_packed:
-            parts.append("weights_packed=True")
+            parts.append("weights_packed=True" + (", split_bits=True" if self.nvfp4_split_bits else ""))
         return ", ".join(parts)
 
     # --------------------------------------------------------------------------------------------- forward
@@ -280,7 +281,7 @@ class MoELayer(nn.Module):
         if not self.weights_packed:
             return self.w13, self.w2
         if self.quant == "nvfp4":
-            return tuple(PackedNvfp4Weights(w) for w in layer_nvfp4.packed_views(self))
+            return tuple(PackedNvfp4Weights(w, self.nvfp4_split_bits) for w in layer_nvfp4.packed_views(self))
         return PackedFp8BlockWeights(self.w13, gated=True), PackedFp8BlockWeights(self.w2, gated=False)
 
     def drop_graphs(self) -> None:
@@ -295,7 +296,7 @@ class MoELayer(nn.Module):
     # ------------------------------------------------------------------------------------------- loading
 
     @torch.no_grad()
-    def pack_weights(self) -> None:
+    def pack_weights(self, split_bits: bool = False) -> None:
         """Re-lays ``w13`` and ``w2`` in place as :func:`flashinfer_moe.pack_fp8_block_weights` packs them
         (``w13`` with ``gated=True``): on Hopper the grouped GEMMs then stream each weight piece with one bulk
         copy, which measured 1-4% faster per layer up to T = 128 tokens and 2-4% slower at T = 4096
@@ -310,19 +311,28 @@ class MoELayer(nn.Module):
         With ``"nvfp4"`` it K-permutes ``w13`` and ``w2`` in place as :func:`flashinfer_moe.pack_nvfp4_weights`
         does (``H`` and ``I`` multiples of 64; the parameters then have shape `[E, N, K / 64, 32]`): the W4A16
         kernel then moves each thread's weight bytes out of shared memory in one instruction instead of eight
-        (docs/perf.md, NVFP4).
+        (docs/perf.md, NVFP4). ``split_bits=True`` packs them as ``pack_nvfp4_weights(w, split_bits=True)`` does
+        (parameters `[E, N, K / 8, 4]`); a layer packed the other way is converted.
 
         Raises:
-            ValueError: the layer's quant is not ``"fp8_block"``, or ``hidden_size`` (the rows of ``w2``) is not
-                a multiple of 256.
+            ValueError: the layer's quant is not ``"fp8_block"`` or ``"nvfp4"``, ``hidden_size`` (the rows of
+                ``w2``) is not a multiple of 256 (FP8), or ``split_bits`` is asked of FP8 weights.
+            TypeError: ``split_bits`` is not a bool.
         """
+        if not isinstance(split_bits, bool):
+            raise TypeError(f"split_bits must be a bool, got {type(split_bits).__name__}")
         if self.quant == "nvfp4":
             layer_nvfp4.check_packable(self.hidden_size, self.intermediate_size)
         elif self.quant != "fp8_block":
             raise ValueError(f"quant must be 'fp8_block' or 'nvfp4' for pack_weights, got quant={self.quant!r}")
+        elif split_bits:
+            raise ValueError(f"split_bits applies to NVFP4 weights only, got split_bits=True with quant={self.quant!r}")
         elif self.hidden_size % ROWS:
             raise ValueError(f"hidden_size must be a multiple of {ROWS} to pack w2 (its rows), got {self.hidden_size}")
+        if self.weights_packed and self.nvfp4_split_bits != split_bits:
+            self._repack(pack=False)
         if not self.weights_packed:
+            self.nvfp4_split_bits = split_bits
             self._repack(pack=True)
 
     @torch.no_grad()
@@ -334,8 +344,9 @@ class MoELayer(nn.Module):
 
     def _repack(self, pack: bool) -> None:
         if self.quant == "nvfp4":
-            layer_nvfp4.repack(self, pack)
+            layer_nvfp4.repack(self, pack, self.nvfp4_split_bits)
             self.weights_packed = pack
+            self.nvfp4_split_bits = self.nvfp4_split_bits and pack
             self.drop_graphs()
             return
         done = []

@@ -20,7 +20,7 @@ from torch import nn
 from . import _checks
 from .layer_checkpoint import dense, projection
 from .moe.packed_nvfp4 import K_MULTIPLE as PACK_K_MULTIPLE
-from .moe.packed_nvfp4 import _permute, repack_nvfp4_experts_in_place
+from .moe.packed_nvfp4 import _convert, repack_nvfp4_experts_in_place
 from .moe.quant import FLOATS, FP8, quantize_nvfp4
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -95,9 +95,9 @@ def load(layer, weights: Mapping[str, torch.Tensor], prefix: str, names: list) -
     for e, parts in enumerate(loaded):
         (wg, sg, gg, ig), (wu, su, gu, iu), (wd, sd, gd, idn) = (parts[p] for p in _PROJECTIONS)
         w13, wd = torch.cat((wg.to(device), wu.to(device))), wd.to(device)
-        if layer.weights_packed:  # K-permuted (and shaped in spans) as the rest of the layer's weights
-            w13 = _permute(w13, pack=True).view(layer.w13.shape[1:])
-            wd = _permute(wd, pack=True).view(layer.w2.shape[1:])
+        if layer.weights_packed:  # K-permuted (split, and shaped) as the rest of the layer's weights
+            w13 = _convert(w13, True, layer.nvfp4_split_bits).view(layer.w13.shape[1:])
+            wd = _convert(wd, True, layer.nvfp4_split_bits).view(layer.w2.shape[1:])
         layer.w13[e] = w13
         # Concatenated as bytes: not every torch build concatenates float8.
         layer.w13_scale[e] = torch.cat((sg.view(torch.uint8).to(device), su.view(torch.uint8).to(device))).view(FP8)
@@ -136,14 +136,19 @@ def packed_views(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return _plain(layer.w13), _plain(layer.w2)
 
 
+SPLIT_WORD = 4  # bytes per split-bits word: the last dimension of a layer packed with split bits
+
+
 @torch.no_grad()
-def repack(layer: nn.Module, pack: bool) -> None:
-    """K-permutes (``pack``) or restores the layer's ``w13`` and ``w2`` in place; if ``w2`` fails, ``w13`` is
-    put back, so the layer is never half converted. Packed, the parameters are viewed `[E, N, K / 64, 32]`
-    (one row of 32 bytes per permuted span): a packed ``state_dict`` then loads only into a packed layer, and
-    a plain one only into a plain layer, instead of either being read in the other byte order."""
+def repack(layer: nn.Module, pack: bool, split_bits: bool = False) -> None:
+    """K-permutes (``pack``; with ``split_bits`` into split bits) or restores the layer's ``w13`` and ``w2`` in
+    place; if ``w2`` fails, ``w13`` is put back, so the layer is never half converted. Packed, the parameters are
+    viewed `[E, N, K / 64, 32]` (one row of 32 bytes per permuted span), with split bits `[E, N, K / 8, 4]` (one
+    row per word): a packed ``state_dict`` then loads only into a layer packed the same way, and a plain one only
+    into a plain layer, instead of either being read in another byte order."""
     w13, w2 = _plain(layer.w13.data), _plain(layer.w2.data)
-    repack_nvfp4_experts_in_place(w13, w2, pack=pack)
+    repack_nvfp4_experts_in_place(w13, w2, pack=pack, split_bits=split_bits)
+    row = SPLIT_WORD if split_bits else PACK_K_MULTIPLE // 2
     for name, w in (("w13", w13), ("w2", w2)):
-        shaped = w.view(*w.shape[:2], -1, PACK_K_MULTIPLE // 2) if pack else w
+        shaped = w.view(*w.shape[:2], -1, row) if pack else w
         setattr(layer, name, nn.Parameter(shaped, requires_grad=False))

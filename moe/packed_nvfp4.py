@@ -171,10 +171,19 @@ def _split_bits(w: torch.Tensor, forward: bool) -> torch.Tensor:
     return out.view(torch.uint8).reshape(w.shape)
 
 
+def _convert(w: torch.Tensor, pack: bool, split_bits: bool) -> torch.Tensor:
+    """Plain bytes to the packed layout (``pack``: K-permuted, with ``split_bits`` split too) or back."""
+    if pack:
+        permuted = _permute(w, pack=True)
+        return _split_bits(permuted, forward=True) if split_bits else permuted
+    return _permute(_split_bits(w, forward=False) if split_bits else w, pack=False)
+
+
 @torch.no_grad()
-def repack_nvfp4_in_place(w: torch.Tensor, *, pack: bool, chunk_experts: int = 16) -> None:
-    """Permutes (``pack``) or restores contiguous NVFP4 weights `[E, N, K / 2]` over their own storage,
-    ``chunk_experts`` experts at a time, so the temporary memory is one chunk's.
+def repack_nvfp4_in_place(w: torch.Tensor, *, pack: bool, split_bits: bool = False, chunk_experts: int = 16) -> None:
+    """Permutes (``pack``; with ``split_bits`` into split bits) or restores contiguous NVFP4 weights
+    `[E, N, K / 2]` over their own storage, ``chunk_experts`` experts at a time, so the temporary memory is one
+    chunk's.
 
     Raises:
         ValueError: ``w`` is not contiguous, or not a shape :func:`pack_nvfp4_weights` takes.
@@ -188,21 +197,21 @@ def repack_nvfp4_in_place(w: torch.Tensor, *, pack: bool, chunk_experts: int = 1
     try:
         for e0 in range(0, w.shape[0], chunk_experts):
             part = w[e0 : e0 + chunk_experts]
-            part.copy_(_permute(part, pack=pack))  # a chunk is written only once its permuted copy exists
+            part.copy_(_convert(part, pack, split_bits))  # a chunk is written only once its new copy exists
             done = e0 + part.shape[0]
     except BaseException:
         for e0 in range(0, done, chunk_experts):
             part = w[e0 : min(e0 + chunk_experts, done)]
-            part.copy_(_permute(part, pack=not pack))
+            part.copy_(_convert(part, not pack, split_bits))
         raise
 
 
-def repack_nvfp4_experts_in_place(w13: torch.Tensor, w2: torch.Tensor, *, pack: bool) -> None:
+def repack_nvfp4_experts_in_place(w13: torch.Tensor, w2: torch.Tensor, *, pack: bool, split_bits: bool = False) -> None:
     """:func:`repack_nvfp4_in_place` on a layer's two weights; if ``w2`` fails, ``w13`` is put back, so the
     layer is never half converted."""
-    repack_nvfp4_in_place(w13, pack=pack)
+    repack_nvfp4_in_place(w13, pack=pack, split_bits=split_bits)
     try:
-        repack_nvfp4_in_place(w2, pack=pack)
+        repack_nvfp4_in_place(w2, pack=pack, split_bits=split_bits)
     except BaseException:
-        repack_nvfp4_in_place(w13, pack=not pack)
+        repack_nvfp4_in_place(w13, pack=not pack, split_bits=split_bits)
         raise

@@ -157,11 +157,50 @@ def test_pack_weights_k_permutes_in_place_and_loads_packed(rng):
     assert_error_names_argument(odd.pack_weights, ValueError, "intermediate_size")
 
 
+def test_pack_weights_split_bits(rng):
+    """pack_weights(split_bits=True): same output, the bytes pack_nvfp4_weights(split_bits=True) makes, over the
+    same memory, shaped a word per row; loading into such a layer splits what it loads; a split state loads only
+    into a layer packed the same way; repacking the other way and unpacking restore the checkpoint's bytes."""
+    seed, g = rng
+    layer = make_layer("softmax", 6, 2, 128, 64, "nvfp4", g)
+    ckpt = modelopt_checkpoint(hf_experts(g, 6, 128, 64), g)
+    layer.load_expert_weights(ckpt)
+    plain13, plain2, ptr = layer.w13.clone(), layer.w2.clone(), layer.w13.data_ptr()
+    x = torch.randn(5, 128, generator=g).bfloat16()
+    want = layer(x)
+    layer.pack_weights(split_bits=True)
+    assert layer.nvfp4_split_bits and layer.w13.data_ptr() == ptr and layer.w13.shape == (6, 128, 16, 4)
+    assert "split_bits=True" in repr(layer)
+    assert torch.equal(layer.w13.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain13, split_bits=True).data)
+    assert torch.equal(layer.w2.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain2, split_bits=True).data)
+    assert all(w.split_bits for w in layer.expert_weights())
+    assert torch.equal(layer(x), want), f"seed {seed}"
+    fresh = make_layer("softmax", 6, 2, 128, 64, "nvfp4", g)
+    fresh.pack_weights(split_bits=True)
+    fresh.load_expert_weights(ckpt)
+    assert torch.equal(fresh.w13, layer.w13) and torch.equal(fresh.w2, layer.w2)
+    kperm = make_layer("softmax", 6, 2, 128, 64, "nvfp4", g)
+    kperm.pack_weights()
+    with pytest.raises(RuntimeError, match="size mismatch"):  # never read as K-permuted bytes
+        kperm.load_state_dict(layer.state_dict())
+    layer.pack_weights()  # to K-permuted bytes
+    assert not layer.nvfp4_split_bits and torch.equal(
+        layer.w13.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain13).data
+    )
+    layer.pack_weights(split_bits=True)
+    layer.unpack_weights()
+    assert not layer.weights_packed and not layer.nvfp4_split_bits
+    assert torch.equal(layer.w13, plain13) and torch.equal(layer.w2, plain2)
+    assert_error_names_argument(lambda: layer.pack_weights(split_bits="yes"), TypeError, "split_bits")
+    fp8 = MoELayer(4, 2, 256, 128, quant="fp8_block")
+    assert_error_names_argument(lambda: fp8.pack_weights(split_bits=True), ValueError, "split_bits")
+
+
 # ------------------------------------------------------------------------------------------------------ GPU
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [False, True, "split"])
 @pytest.mark.parametrize("num_tokens", [1, 16, 300])
 def test_gpu_forward_matches_dequantized_model(num_tokens, packed, rng):
     """The kernels (Triton W4A16, eager calls up to 256 tokens through CUDA graphs; plain and K-permuted
@@ -172,7 +211,7 @@ def test_gpu_forward_matches_dequantized_model(num_tokens, packed, rng):
     ckpt = modelopt_checkpoint(hf_experts(g, num_experts, hidden, inter), g)
     layer.load_expert_weights(ckpt)
     if packed:
-        layer.pack_weights()
+        layer.pack_weights(split_bits=packed == "split")
     x = torch.randn(num_tokens, hidden, generator=g).bfloat16().cuda()
     logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).cuda()
     out = layer(x, logits)
