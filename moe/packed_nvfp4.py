@@ -149,15 +149,16 @@ def pack_nvfp4_weights(w, *, split_bits: bool = False) -> PackedNvfp4Weights:
     if not isinstance(split_bits, bool):
         raise TypeError(f"split_bits must be a bool, got {type(split_bits).__name__}")
     w = check_packable("w", w)
-    data = _permute(w, pack=True)
-    return PackedNvfp4Weights(_split_bits(data, forward=True) if split_bits else data, split_bits)
+    data = _permute(w, pack=True)  # a new tensor, split in place
+    return PackedNvfp4Weights(_split_bits(data, forward=True, in_place=True) if split_bits else data, split_bits)
 
 
-def _split_bits(w: torch.Tensor, forward: bool) -> torch.Tensor:
-    """K-permuted bytes `[..., K / 2]` with each 4-byte word's bits split (``forward``) or joined back, as a new
-    contiguous tensor (in steps of ``_WORDS_PER_STEP`` words, for the int64 temporaries)."""
+def _split_bits(w: torch.Tensor, forward: bool, in_place: bool = False) -> torch.Tensor:
+    """K-permuted bytes `[..., K / 2]` with each 4-byte word's bits split (``forward``) or joined back: a new
+    contiguous tensor, or ``w`` itself with ``in_place`` (contiguous ``w``: no second copy of a layer's weights),
+    in steps of ``_WORDS_PER_STEP`` words for the int64 temporaries."""
     words = w.contiguous().view(torch.int32).reshape(-1)
-    out = torch.empty_like(words)
+    out = words if in_place else torch.empty_like(words)
     moves: dict[int, int] = {}  # shift (destination - source bit) -> mask of the source bits it moves
     for b, dst in enumerate(_SPLIT_SOURCES):
         src, d = (b, dst - b) if forward else (dst, b - dst)
@@ -167,7 +168,7 @@ def _split_bits(w: torch.Tensor, forward: bool) -> torch.Tensor:
         y = torch.zeros_like(x)
         for d, mask in moves.items():
             y |= (x & mask) << d if d >= 0 else (x & mask) >> -d
-        out[i : i + _WORDS_PER_STEP] = (y - ((y >> 31) << 32)).to(torch.int32)  # as signed 32-bit
+        out[i : i + _WORDS_PER_STEP] = (y - ((y >> 31) << 32)).to(torch.int32)  # as signed 32-bit; read first
     return out.view(torch.uint8).reshape(w.shape)
 
 
@@ -175,7 +176,7 @@ def _convert(w: torch.Tensor, pack: bool, split_bits: bool) -> torch.Tensor:
     """Plain bytes to the packed layout (``pack``: K-permuted, with ``split_bits`` split too) or back."""
     if pack:
         permuted = _permute(w, pack=True)
-        return _split_bits(permuted, forward=True) if split_bits else permuted
+        return _split_bits(permuted, forward=True, in_place=True) if split_bits else permuted
     return _permute(_split_bits(w, forward=False) if split_bits else w, pack=False)
 
 

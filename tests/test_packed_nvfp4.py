@@ -90,12 +90,16 @@ def test_pack_unpack_round_trip(rng, shape, split_bits):
 
 
 def test_split_bits_in_steps(monkeypatch):
-    """A tensor of more words than one conversion step is converted in steps, the same as in one."""
+    """A tensor of more words than one conversion step is converted in steps, the same as in one, also over its
+    own memory."""
     w = torch.randint(0, 256, (3, 4, 64), dtype=torch.uint8)
     whole = packed_nvfp4._split_bits(w, forward=True)
     monkeypatch.setattr(packed_nvfp4, "_WORDS_PER_STEP", 5)
     assert torch.equal(packed_nvfp4._split_bits(w, forward=True), whole)
     assert torch.equal(packed_nvfp4._split_bits(whole, forward=False), w)
+    inplace = w.clone()
+    assert packed_nvfp4._split_bits(inplace, forward=True, in_place=True).data_ptr() == inplace.data_ptr()
+    assert torch.equal(inplace, whole)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 32), (3, 5, 96), (2, 7, 448)])
