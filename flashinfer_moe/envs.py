@@ -41,6 +41,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "`triton` makes the paged MLA decode skip its CUDA kernels on Hopper (bf16/fp16 and FP8 pages); `auto` "
         "uses them there",
     ),
+    "FLASHINFER_MOE_NVFP4_SPLIT_BITS": (
+        "0",
+        "`1` makes the SGLang plugin pack NVFP4 layers in split bits (`pack_nvfp4_weights(split_bits=True)`); "
+        "opt-in until it is timed on a GPU",
+    ),
     "FLASHINFER_MOE_A2A_TIMEOUT_S": (
         "30",
         "seconds an all-to-all step waits for its peers before raising CommTimeoutError",
@@ -135,6 +140,10 @@ def mla_backend() -> str:
     if raw not in ("auto", "triton"):
         raise ValueError(f"FLASHINFER_MOE_MLA_BACKEND must be 'auto' or 'triton', got {raw!r}")
     return raw
+
+
+def nvfp4_split_bits() -> bool:
+    return _bool("FLASHINFER_MOE_NVFP4_SPLIT_BITS")
 
 
 def cuda_home() -> Path | None:

@@ -19,6 +19,7 @@ from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4FusedMoEM
 from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 from sglang.srt.utils import is_cuda
 
+from flashinfer_moe import envs
 from flashinfer_moe.moe.fused import fused_moe
 from flashinfer_moe.moe.packed_nvfp4 import K_MULTIPLE as NVFP4_K_MULTIPLE
 from flashinfer_moe.moe.packed_nvfp4 import PackedNvfp4Weights, repack_nvfp4_experts_in_place
@@ -148,20 +149,25 @@ def split_interleaved_w13_(w13: torch.Tensor) -> None:
         w.copy_(torch.cat((w[0::2], w[1::2])))
 
 
-# Set on a layer whose NVFP4 weights are K-permuted in place (the quant method's Takeover is frozen).
+# Set on a layer whose NVFP4 weights are K-permuted in place (the quant method's Takeover is frozen), and on one
+# whose permuted weights are in split bits too.
 K_PERMUTED = "_flashinfer_moe_k_permuted"
+SPLIT_BITS = "_flashinfer_moe_split_bits"
 
 
 def k_permute_nvfp4_(layer: torch.nn.Module, pack: bool = True) -> None:
-    """K-permutes (``pack``) an NVFP4 layer's loaded ``w13_weight`` and ``w2_weight`` in place for the Hopper
-    kernel (measured faster at every size but 64 rows per expert, docs/perf.md), or restores the checkpoint's
-    byte order; a no-op where the layer is already so, or where H or I is not a multiple of 64 (left plain)."""
+    """K-permutes (``pack``; in split bits with ``FLASHINFER_MOE_NVFP4_SPLIT_BITS=1``) an NVFP4 layer's loaded
+    ``w13_weight`` and ``w2_weight`` in place for the Hopper kernel (measured faster at every size but 64 rows
+    per expert, docs/perf.md), or restores the checkpoint's byte order; a no-op where the layer is already so,
+    or where H or I is not a multiple of 64 (left plain)."""
     w13, w2 = layer.w13_weight.data, layer.w2_weight.data
     span = NVFP4_K_MULTIPLE // 2  # bytes
     if getattr(layer, K_PERMUTED, False) == pack or w13.shape[2] % span or w2.shape[2] % span:
         return
-    repack_nvfp4_experts_in_place(w13, w2, pack=pack)
+    split = envs.nvfp4_split_bits() if pack else getattr(layer, SPLIT_BITS, False)
+    repack_nvfp4_experts_in_place(w13, w2, pack=pack, split_bits=split)
     setattr(layer, K_PERMUTED, pack)
+    setattr(layer, SPLIT_BITS, split and pack)
 
 
 def fp8_tensor_after_loading_(method: Fp8MoEMethod, layer: torch.nn.Module) -> None:
@@ -202,7 +208,8 @@ def quant_info_for(layer: torch.nn.Module, takeover: Takeover) -> FlashInferMoEQ
     """The layer's parameters as :func:`fused_moe` takes them (views, no copies)."""
     w13, w2 = layer.w13_weight, layer.w2_weight
     if getattr(layer, K_PERMUTED, False):
-        w13, w2 = PackedNvfp4Weights(w13), PackedNvfp4Weights(w2)
+        split = getattr(layer, SPLIT_BITS, False)
+        w13, w2 = PackedNvfp4Weights(w13, split), PackedNvfp4Weights(w2, split)
     info = FlashInferMoEQuantInfo(
         w13=w13,
         w2=w2,

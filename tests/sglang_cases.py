@@ -323,17 +323,29 @@ def case_matches_native(quant, routing, rsf, drop_ids, seed, tokens=37) -> dict:
     return results
 
 
-def case_nvfp4_reload(seed: int = 7, tokens: int = 13) -> dict:
-    """NVFP4 weights are K-permuted after loading; a reload through SGLang's ``weight_loader`` puts the layer
-    back in checkpoint order before it writes, so a partial reload (no post-load step) and a full one (with
-    it) both give the new checkpoint's output."""
+def case_nvfp4_reload(seed: int = 7, tokens: int = 13, split_bits: bool = False) -> dict:
+    """NVFP4 weights are K-permuted after loading (``split_bits``: in split bits,
+    ``FLASHINFER_MOE_NVFP4_SPLIT_BITS=1``); a reload through SGLang's ``weight_loader`` puts the layer back in
+    checkpoint order before it writes, so a partial reload (no post-load step) and a full one (with it) both
+    give the new checkpoint's output."""
+    import os
+
+    if split_bits:
+        os.environ["FLASHINFER_MOE_NVFP4_SPLIT_BITS"] = "1"
+    try:
+        return _nvfp4_reload(seed, tokens)
+    finally:
+        os.environ.pop("FLASHINFER_MOE_NVFP4_SPLIT_BITS", None)
+
+
+def _nvfp4_reload(seed: int, tokens: int) -> dict:
     import torch
 
-    from flashinfer_moe.sglang_runner import K_PERMUTED
+    from flashinfer_moe.sglang_runner import K_PERMUTED, SPLIT_BITS
 
     ours, native = make_layer(True, "nvfp4"), make_layer(False, None)
     load(ours, checkpoint("nvfp4", seed))
-    results = {"permuted_after_load": getattr(ours, K_PERMUTED, False)}
+    results = {"permuted_after_load": getattr(ours, K_PERMUTED, False), "split": getattr(ours, SPLIT_BITS, False)}
     new = checkpoint("nvfp4", seed + 1)
     x, topk = route("qwen", tokens, seed)
     # One expert's tensors through the loader, no post-load step: read plain, the rest untouched.

@@ -65,8 +65,10 @@ def test_layer_matches_sglang_native(sglang, quant, routing, rsf, drop_ids):
         assert r["vs_reference"] < BF16, r
 
 
-def test_nvfp4_weights_k_permuted_after_loading_and_reloads_stay_right(sglang):
-    r = sglang(cases.case_nvfp4_reload)
+@pytest.mark.parametrize("split_bits", [False, True])
+def test_nvfp4_weights_k_permuted_after_loading_and_reloads_stay_right(sglang, split_bits):
+    r = sglang(cases.case_nvfp4_reload, 7, 13, split_bits)
+    assert r["split"] == split_bits, r
     assert r["permuted_after_load"] and not r["permuted_after_partial"] and r["permuted_after_full"], r
     assert r["partial_vs_native"] < BF16 and r["full_vs_native"] < BF16, r
     assert not r["nan"]
