@@ -354,7 +354,8 @@ def launch(
     ``w_global_scale`` `[E]` or `[E, 2]` (gate, up), ``out [R, N]``, all unit stride in the last dimension;
     ``counts`` `[E]` int32; ``offsets`` `[E]` int32 (contiguous) or None (masked: expert ``e`` at row
     ``e * capacity``). ``kperm``: ``w`` is in the K-permuted byte order of ``moe.packed_nvfp4`` (the config's
-    ``BLOCK_K`` a multiple of 64); ``split_bits``: with split bits too (``kperm`` must be set). The grid is a static bound from the layout's shape (no host sync)."""
+    ``BLOCK_K`` a multiple of 64); ``split_bits``: with split bits too (``kperm`` must be set). The grid is a
+    static bound from the layout's shape (no host sync)."""
     num_experts, nw, half_k = w.shape
     k = 2 * half_k
     n = nw // 2 if act != ACT_NONE else nw

@@ -24,7 +24,7 @@ and each half read as a bf16 is the E2M1 value times 2**-126 (code 1, 0.5, a bf1
 scale times 2**118 (at most 448 * 2**118, inside bf16's range), exact in bf16, it is the weight times 2**-8; the
 2**8 goes back with the global scale in fp32. No four shift-and-mask words can tile a 32-bit word (checked
 exhaustively), so the last pair takes two pieces: 5 masks and 2 rotations per 8 weights, plus two left shifts
-that ptxas can issue as multiplies, against the lookup's 10 ``prmt`` and 5 logic instructions.
+that ptxas can issue as multiplies, against the lookup's 10 ``prmt`` and 5 logic and shift instructions.
 
 Dimension legend: ``E`` experts, ``N`` weight rows, ``K`` reduction.
 """
