@@ -108,6 +108,12 @@ def _rotl(y, r: tl.constexpr):
 
 
 @triton.jit
+def _pair_codes(p):
+    """The byte of two E2M1 codes a bf16 pair of split bits holds (low half: the low nibble)."""
+    return ((p >> 6) & 0x7) | ((p >> 12) & 0x8) | ((p >> 18) & 0x70) | ((p >> 24) & 0x80)
+
+
+@triton.jit
 def _join_split_bits(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Split-bits bytes `[BLOCK_N, BLOCK_K / 2]` back to K-permuted bytes, by the four pair formulas the GPU
     expansion uses (``moe.packed_nvfp4``), reading each pair's sign and magnitude bits (the portable path)."""
@@ -120,11 +126,8 @@ def _join_split_bits(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     p1 = (y << 4) & 0x81C081C0
     p2 = _rotl(y, 10) & 0x81C081C0
     p3 = ((y << 6) & 0x80C080C0) | (_rotl(y, 14) & 0x01000100)
-    c0 = ((p0 >> 6) & 0x7) | ((p0 >> 12) & 0x8) | ((p0 >> 18) & 0x70) | ((p0 >> 24) & 0x80)
-    c1 = ((p1 >> 6) & 0x7) | ((p1 >> 12) & 0x8) | ((p1 >> 18) & 0x70) | ((p1 >> 24) & 0x80)
-    c2 = ((p2 >> 6) & 0x7) | ((p2 >> 12) & 0x8) | ((p2 >> 18) & 0x70) | ((p2 >> 24) & 0x80)
-    c3 = ((p3 >> 6) & 0x7) | ((p3 >> 12) & 0x8) | ((p3 >> 18) & 0x70) | ((p3 >> 24) & 0x80)
-    x = tl.join(tl.join(c0, c1), tl.join(c2, c3))  # [n, word, j % 2, j // 2]
+    # [n, word, j % 2, j // 2]
+    x = tl.join(tl.join(_pair_codes(p0), _pair_codes(p1)), tl.join(_pair_codes(p2), _pair_codes(p3)))
     x = tl.permute(x, (0, 1, 3, 2))
     return tl.reshape(x, (BLOCK_N, BLOCK_K // 2)).to(tl.uint8)
 

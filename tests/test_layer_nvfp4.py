@@ -129,16 +129,21 @@ def test_bad_checkpoint_tensors_name_the_key(rng):
     assert_error_names_argument(lambda: MoELayer(4, 2, 128, 48, quant="nvfp4"), ValueError, "hidden_size")
 
 
+def _loaded_layer(g):
+    """A small NVFP4 layer loaded from a ModelOpt checkpoint: ``(layer, checkpoint, input, its output)``."""
+    layer = make_layer("softmax", 6, 2, 128, 64, "nvfp4", g)
+    ckpt = modelopt_checkpoint(hf_experts(g, 6, 128, 64), g)
+    layer.load_expert_weights(ckpt)
+    x = torch.randn(5, 128, generator=g).bfloat16()
+    return layer, ckpt, x, layer(x)
+
+
 def test_pack_weights_k_permutes_in_place_and_loads_packed(rng):
     """pack_weights: same output, weights K-permuted over their own memory; loading into a packed layer packs
     what it loads; unpack_weights restores the checkpoint's bytes; sizes that are not whole spans refused."""
     seed, g = rng
-    layer = make_layer("softmax", 6, 2, 128, 64, "nvfp4", g)
-    ckpt = modelopt_checkpoint(hf_experts(g, 6, 128, 64), g)
-    layer.load_expert_weights(ckpt)
+    layer, ckpt, x, want = _loaded_layer(g)
     plain13, plain2, ptr = layer.w13.clone(), layer.w2.clone(), layer.w13.data_ptr()
-    x = torch.randn(5, 128, generator=g).bfloat16()
-    want = layer(x)
     layer.pack_weights()
     assert layer.weights_packed and layer.w13.data_ptr() == ptr and layer.w13.shape == (6, 128, 2, 32)
     assert torch.equal(layer.w13.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain13).data)
@@ -162,12 +167,8 @@ def test_pack_weights_split_bits(rng):
     same memory, shaped a word per row; loading into such a layer splits what it loads; a split state loads only
     into a layer packed the same way; repacking the other way and unpacking restore the checkpoint's bytes."""
     seed, g = rng
-    layer = make_layer("softmax", 6, 2, 128, 64, "nvfp4", g)
-    ckpt = modelopt_checkpoint(hf_experts(g, 6, 128, 64), g)
-    layer.load_expert_weights(ckpt)
+    layer, ckpt, x, want = _loaded_layer(g)
     plain13, plain2, ptr = layer.w13.clone(), layer.w2.clone(), layer.w13.data_ptr()
-    x = torch.randn(5, 128, generator=g).bfloat16()
-    want = layer(x)
     layer.pack_weights(split_bits=True)
     assert layer.nvfp4_split_bits and layer.w13.data_ptr() == ptr and layer.w13.shape == (6, 128, 16, 4)
     assert "split_bits=True" in repr(layer)
