@@ -7,8 +7,10 @@ available, all timed in the same run.
 DeepSeek-V3 shapes: H = 7168, top-8 of 256 experts, uniform random routing. Dispatch sends FP8 rows with their
 per-128 scales; combine returns bf16 rows. 1, 128 and 512 tokens per rank run in low-latency mode, 4096 in
 high-throughput mode. Each time is the median over ranks' medians of CUDA-event timings of eager calls, with
-a barrier before each call (so a call never overlaps the previous one on another rank). Bandwidth counts the
-bytes a rank sends to other ranks (its own rows excluded). Nothing is asserted: the goals are printed.
+a barrier before each call (so a call never overlaps the previous one on another rank); the P2P low-latency rows
+also time dispatch + combine captured in one CUDA graph (how decode runs them), with no host work in the time.
+Bandwidth counts the bytes a rank sends to other ranks (its own rows excluded). Nothing is asserted: the goals are
+printed.
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ def _time_us(fn, reps: int) -> float:
     return float(mine)
 
 
+def _captured(fn):
+    """``fn`` captured once in a CUDA graph (after an eager warm-up call): returns the graph's replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _inputs(tokens: int, gen: torch.Generator):
     h = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
     ids = torch.rand(tokens, NUM_EXPERTS, generator=gen).argsort(-1)[:, :TOP_K].int().cuda()
@@ -85,10 +97,11 @@ def _symm_mem_baseline(nbytes: int, world: int, reps: int) -> float | None:
         return None
     try:
         per = max(1, nbytes // world // 2)
-        inp = symm_mem.empty(per * world, dtype=torch.bfloat16, device="cuda")
-        out = symm_mem.empty(per * world * 2, dtype=torch.bfloat16, device="cuda")
-        in_splits = symm_mem.empty(world, dtype=torch.int64, device="cuda").fill_(per)
-        out_splits = symm_mem.empty(2, world, dtype=torch.int64, device="cuda")
+        dev = torch.device("cuda", torch.cuda.current_device())  # an explicit index: NVSHMEM keys its teams by it
+        inp = symm_mem.empty(per * world, dtype=torch.bfloat16, device=dev)
+        out = symm_mem.empty(per * world * 2, dtype=torch.bfloat16, device=dev)
+        in_splits = symm_mem.empty(world, dtype=torch.int64, device=dev).fill_(per)
+        out_splits = symm_mem.empty(2, world, dtype=torch.int64, device=dev)
         group_name = dist.group.WORLD.group_name
         symm_mem.rendezvous(inp, group_name)
         symm_mem.rendezvous(out, group_name)
@@ -114,6 +127,14 @@ def _bench(tokens: int, backend: str, reps: int) -> dict:
     y = out.hidden_states.to(torch.bfloat16)
     dispatch_us = _time_us(lambda: comm.dispatch(q, ids, w, scales=scales), reps)
     combine_us = _time_us(lambda: comm.combine(y, out.handle), reps)
+    graph_us = None
+    if comm.backend == "p2p" and mode == "low_latency":  # decode runs in CUDA graphs: no host in the time
+
+        def round_trip():
+            got = comm.dispatch(q, ids, w, scales=scales)
+            return comm.combine(got.hidden_states.to(torch.bfloat16), got.handle)
+
+        graph_us = _time_us(_captured(round_trip), reps)
     if comm.backend == "p2p":
         comm.check()
     row_bytes = HIDDEN + 4 * scales.shape[1] + 8 * TOP_K
@@ -122,7 +143,8 @@ def _bench(tokens: int, backend: str, reps: int) -> dict:
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)
     dist.all_reduce(back, op=dist.ReduceOp.MAX)
     row = dict(tokens=tokens, mode=mode, backend=comm.backend, dispatch_us=dispatch_us, combine_us=combine_us,
-               dispatch_bytes=int(sent), combine_bytes=int(back), reason=comm.fallback_reason)  # fmt: skip
+               round_trip_graph_us=graph_us, dispatch_bytes=int(sent), combine_bytes=int(back),
+               reason=comm.fallback_reason)  # fmt: skip
     comm.close()
     return row
 
@@ -146,8 +168,8 @@ def main() -> None:
     rows = []
     if rank == 0:
         print(f"# {world} ranks, {torch.cuda.get_device_name()}, H={HIDDEN}, top-{TOP_K} of {NUM_EXPERTS} experts")
-        header = ("tokens", "mode", "backend", "dispatch us", "GB/s", "combine us", "GB/s", "NCCL a2a us",
-                  "symm_mem us", "NCCL/dispatch", "NCCL/combine")  # fmt: skip
+        header = ("tokens", "mode", "backend", "dispatch us", "GB/s", "combine us", "GB/s", "graph round trip us",
+                  "NCCL a2a us", "symm_mem us", "NCCL/dispatch", "NCCL/combine")  # fmt: skip
         print(" | ".join(header))
     for tokens in (int(t) for t in args.tokens.split(",")):
         for backend in ("p2p", "nccl"):
@@ -164,9 +186,10 @@ def main() -> None:
                 d_bw = row["dispatch_bytes"] / row["dispatch_us"] / 1e3
                 c_bw = row["combine_bytes"] / row["combine_us"] / 1e3
                 symm = f"{row['symm_mem_us']:.1f}" if row["symm_mem_us"] is not None else "n/a"
+                trip = f"{graph_us:.1f}" if (graph_us := row["round_trip_graph_us"]) is not None else ""
                 print(
                     f"{tokens} | {row['mode']} | {row['backend']} | {row['dispatch_us']:.1f} | {d_bw:.0f} | "
-                    f"{row['combine_us']:.1f} | {c_bw:.0f} | {row['nccl_a2a_us']:.1f} | {symm} | "
+                    f"{row['combine_us']:.1f} | {c_bw:.0f} | {trip} | {row['nccl_a2a_us']:.1f} | {symm} | "
                     f"{row['nccl_a2a_us'] / row['dispatch_us']:.2f}x | {row['nccl_a2a_us'] / row['combine_us']:.2f}x"
                 )
     if rank == 0:

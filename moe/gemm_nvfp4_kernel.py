@@ -75,10 +75,13 @@ mul.rn.bf16x2 $3, $3, $8;
 }
 """)
 
-# The same for split-bits words (``moe.packed_nvfp4``): shifts, rotations and masks put each word's bits into four
-# bf16 pairs reading as the values times 2**-126; the pairs ($5-$8) carry the block scale times 2**118, so the
-# results are the weights times 2**-8 (the kernel multiplies the global scale by 2**8). 7 integer instructions
-# (two more left shifts that may issue as multiplies) and 4 bf16x2 multiplies per 8 weights.
+# The same for one split-bits word ($4, ``moe.packed_nvfp4``): shifts, rotations and masks put its bits into four
+# bf16 pairs reading as the values times 2**-126. Bytes 0-1 and 2-3 of a K-permuted word belong to two scale
+# groups, whose pairs ($5, $6) carry the block scale times 2**118, so the results are the weights times 2**-8
+# (the kernel multiplies the global scale by 2**8). 7 integer instructions (two more left shifts that may issue
+# as multiplies) and 4 bf16x2 multiplies per 8 weights. Unlike the byte-wise lookup above, this mixes the bits of
+# four bytes, so it takes whole 32-bit words (loaded as such) rather than four bytes Triton packs together,
+# which need not be adjacent in memory.
 _SPLIT_ASM = tl.constexpr("""
 {
 .reg .b32 p0, p1, p2, p3, r10, r14, t6;
@@ -93,9 +96,9 @@ shl.b32 t6, $4, 6;
 and.b32 t6, t6, 0x80C080C0;
 or.b32 p3, t6, r14;
 mul.rn.bf16x2 $0, p0, $5;
-mul.rn.bf16x2 $1, p1, $6;
-mul.rn.bf16x2 $2, p2, $7;
-mul.rn.bf16x2 $3, p3, $8;
+mul.rn.bf16x2 $1, p1, $5;
+mul.rn.bf16x2 $2, p2, $6;
+mul.rn.bf16x2 $3, p3, $6;
 }
 """)
 _SPLIT_SCALE = tl.constexpr(2.0**118)
@@ -114,22 +117,25 @@ def _pair_codes(p):
 
 
 @triton.jit
-def _join_split_bits(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Split-bits bytes `[BLOCK_N, BLOCK_K / 2]` back to K-permuted bytes, by the four pair formulas the GPU
-    expansion uses (``moe.packed_nvfp4``), reading each pair's sign and magnitude bits (the portable path)."""
-    x = tl.reshape(packed.to(tl.uint32), (BLOCK_N, BLOCK_K // 8, 2, 2))  # [n, word, j // 2, j % 2]
-    even, odd = tl.split(x)
-    b0, b2 = tl.split(even)
-    b1, b3 = tl.split(odd)
-    y = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+def _join_split_bits(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Split-bits words `[BLOCK_N, BLOCK_K / 8]` back to K-permuted bytes `[BLOCK_N, BLOCK_K / 2]`, by the four
+    pair formulas the GPU expansion uses (``moe.packed_nvfp4``), reading each pair's sign and magnitude bits (the
+    portable path)."""
+    y = words.to(tl.uint32, bitcast=True)
     p0 = y & 0x81C081C0
     p1 = (y << 4) & 0x81C081C0
     p2 = _rotl(y, 10) & 0x81C081C0
     p3 = ((y << 6) & 0x80C080C0) | (_rotl(y, 14) & 0x01000100)
-    # [n, word, j % 2, j // 2]
-    x = tl.join(tl.join(_pair_codes(p0), _pair_codes(p1)), tl.join(_pair_codes(p2), _pair_codes(p3)))
-    x = tl.permute(x, (0, 1, 3, 2))
-    return tl.reshape(x, (BLOCK_N, BLOCK_K // 2)).to(tl.uint8)
+    x = _word_bytes(_pair_codes(p0), _pair_codes(p1), _pair_codes(p2), _pair_codes(p3), BLOCK_N, BLOCK_K)
+    return x.to(tl.uint8)
+
+
+@triton.jit
+def _word_bytes(b0, b1, b2, b3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Four `[BLOCK_N, BLOCK_K / 8]` tensors, one per byte of each 32-bit word, interleaved into memory order
+    `[BLOCK_N, BLOCK_K / 2]` (byte ``j`` of word ``w`` at ``4 w + j``)."""
+    # join(join(b0, b2), join(b1, b3))[..., a, m] is b_(2a + m)
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, BLOCK_K // 2))
 
 
 @triton.jit
@@ -152,33 +158,46 @@ def expand_nvfp4(
     SPLIT: tl.constexpr = False,
 ):
     """``packed`` `[BLOCK_N, BLOCK_K / 2]` uint8 (element 2i in the low nibble; with ``KPERM`` in the
-    K-permuted byte order, with ``SPLIT`` also in split bits) and ``scale`` `[BLOCK_N, BLOCK_K / 16]` (E4M3 block
-    scales, any float type) -> `[BLOCK_N, BLOCK_K]` values in ``DTYPE`` (``EXPAND_PRMT`` needs a bf16 ``DTYPE``
+    K-permuted byte order), or with ``SPLIT`` (and ``KPERM``) split-bits words `[BLOCK_N, BLOCK_K / 8]` int32,
+    and ``scale`` `[BLOCK_N, BLOCK_K / 16]` (E4M3 block scales, any float type) -> `[BLOCK_N, BLOCK_K]` values in ``DTYPE`` (``EXPAND_PRMT`` needs a bf16 ``DTYPE``
     and a GPU; with ``SPLIT`` it returns the values times 2**-8)."""
     if EXPAND == 2:
         if SPLIT:
             scale = scale.to(tl.float32) * _SPLIT_SCALE
         sb = scale.to(tl.float32).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
         pair = sb | (sb << 16)  # the scale in both halves of a bf16x2
-        if KPERM:
-            # Stored byte 8 q + 2 c + h of a span belongs to scale group c of that span.
-            pair = tl.reshape(pair, (BLOCK_N, BLOCK_K // 64, 1, 4, 1))
-            pair = tl.broadcast_to(pair, (BLOCK_N, BLOCK_K // 64, 4, 4, 2))
+        if SPLIT:
+            # Word 2 q + c // 2 of a span holds the stored bytes of scale groups c = 2 (c // 2) + {0, 1}.
+            pair = tl.reshape(pair, (BLOCK_N, BLOCK_K // 64, 1, 2, 2))  # [n, span, 1, c // 2, c % 2]
+            pair_lo, pair_hi = tl.split(tl.broadcast_to(pair, (BLOCK_N, BLOCK_K // 64, 4, 2, 2)))
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                _SPLIT_ASM,
+                "=r,=r,=r,=r,r,r,r",
+                [
+                    packed,
+                    tl.reshape(pair_lo, (BLOCK_N, BLOCK_K // 8)),
+                    tl.reshape(pair_hi, (BLOCK_N, BLOCK_K // 8)),
+                ],
+                dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                is_pure=True,
+                pack=1,
+            )
+            o = _natural_bytes(_word_bytes(o0, o1, o2, o3, BLOCK_N, BLOCK_K), BLOCK_N, BLOCK_K)
         else:
-            pair = tl.broadcast_to(pair[:, :, None], (BLOCK_N, BLOCK_K // 16, 8))
-        pair = tl.reshape(pair, (BLOCK_N, BLOCK_K // 2))
-        o = tl.inline_asm_elementwise(
-            _SPLIT_ASM if SPLIT else _PRMT_ASM,
-            "=r,=r,=r,=r,r,r,r,r,r",
-            [packed, pair],
-            dtype=tl.uint32,
-            is_pure=True,
-            pack=4,
-        )
-        if KPERM:
-            # After the expansion, so that the elementwise work keeps the load's layout and the permutation
-            # is only a renaming of the registers the wgmma operand needs.
-            o = _natural_bytes(o, BLOCK_N, BLOCK_K)
+            if KPERM:
+                # Stored byte 8 q + 2 c + h of a span belongs to scale group c of that span.
+                pair = tl.reshape(pair, (BLOCK_N, BLOCK_K // 64, 1, 4, 1))
+                pair = tl.broadcast_to(pair, (BLOCK_N, BLOCK_K // 64, 4, 4, 2))
+            else:
+                pair = tl.broadcast_to(pair[:, :, None], (BLOCK_N, BLOCK_K // 16, 8))
+            pair = tl.reshape(pair, (BLOCK_N, BLOCK_K // 2))
+            o = tl.inline_asm_elementwise(
+                _PRMT_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, pair], dtype=tl.uint32, is_pure=True, pack=4
+            )
+            if KPERM:
+                # After the expansion, so that the elementwise work keeps the load's layout and the permutation
+                # is only a renaming of the registers the wgmma operand needs.
+                o = _natural_bytes(o, BLOCK_N, BLOCK_K)
         lo = (o & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         hi = (o >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
@@ -215,7 +234,7 @@ def _product(a, wv, acc, SWAP_AB: tl.constexpr):
 @triton.jit
 def grouped_gemm_nvfp4_kernel(
     a_desc,  # TMA descriptor of a [R, K] bf16 / fp16, block [BLOCK_M, BLOCK_K]
-    w_desc,  # TMA descriptor of w [E * NW, K / 2] uint8, block [BLOCK_N, BLOCK_K / 2]
+    w_desc,  # TMA descriptor of w [E * NW, K / 2] uint8, block [BLOCK_N, BLOCK_K / 2] (SPLIT: int32 words, / 8)
     ws_ptr,  # [E, NW, K / 16] float8_e4m3fn
     gs_ptr,  # [E] or [E, 2] fp32
     out_ptr,  # [R, N]
@@ -260,6 +279,7 @@ def grouped_gemm_nvfp4_kernel(
         return
 
     GROUPS_K: tl.constexpr = BLOCK_K // 16
+    K_PER_W: tl.constexpr = 8 if SPLIT else 2  # weights per element of w_desc
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, GROUPS_K)
@@ -287,13 +307,13 @@ def grouped_gemm_nvfp4_kernel(
         us = _load_scales(su_ptrs, offs_g, K)
     for k0 in range(0, K, BLOCK_K):
         a = a_desc.load([row0, k0])
-        wb = w_desc.load([w_row, k0 // 2])
+        wb = w_desc.load([w_row, k0 // K_PER_W])
         s_ptrs += GROUPS_K
         ws_next = _load_scales(s_ptrs, offs_g, K - k0 - BLOCK_K)
         acc = _product(a, expand_nvfp4(wb, ws, BLOCK_N, BLOCK_K, dtype, EXPAND, KPERM, SPLIT), acc, SWAP_AB)
         ws = ws_next
         if ACT != _ACT_NONE:
-            ub = w_desc.load([w_row + N, k0 // 2])
+            ub = w_desc.load([w_row + N, k0 // K_PER_W])
             su_ptrs += GROUPS_K
             us_next = _load_scales(su_ptrs, offs_g, K - k0 - BLOCK_K)
             acc_up = _product(a, expand_nvfp4(ub, us, BLOCK_N, BLOCK_K, dtype, EXPAND, KPERM, SPLIT), acc_up, SWAP_AB)
@@ -370,7 +390,11 @@ def launch(
         num_m_tiles_bound = triton.cdiv(rows, block_m) + min(num_experts, rows)
     grid = (num_m_tiles_bound * triton.cdiv(n, block_n),)
     a_desc = TensorDescriptor.from_tensor(_tma_ready(a), [block_m, block_k])
-    w_desc = TensorDescriptor.from_tensor(_tma_ready(w.reshape(num_experts * nw, half_k)), [block_n, block_k // 2])
+    w_rows = w.reshape(num_experts * nw, half_k)
+    if split_bits:  # the expansion takes whole words (see _SPLIT_ASM)
+        w_desc = TensorDescriptor.from_tensor(_tma_ready(w_rows.view(torch.int32)), [block_n, block_k // 8])
+    else:
+        w_desc = TensorDescriptor.from_tensor(_tma_ready(w_rows), [block_n, block_k // 2])
     per_half = w_global_scale.dim() == 2
     grouped_gemm_nvfp4_kernel[grid](
         a_desc,

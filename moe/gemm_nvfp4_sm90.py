@@ -2,8 +2,8 @@
 decode-sized groups with K-permuted weights, over the masked and the contiguous layouts.
 
 Its weights are wgmma's register operand, expanded by the thread whose registers wgmma reads them from, so no
-expanded weight passes through shared memory. It is 10-17% faster than the Triton kernel at 8-16 rows per
-expert and no faster above (both are bound by the expansion's integer instructions, docs/perf.md), so ``usable``
+expanded weight passes through shared memory. Both kernels are bound by the expansion's integer instructions
+(docs/perf.md); this one leads the Triton kernel at 8-16 rows per expert, and with split bits up to 64, so ``usable``
 sends it only the calls where it measured faster; every other call, and every other GPU, stays on the Triton kernel
 (``moe/gemm_nvfp4_kernel.py``).
 ``FLASHINFER_MOE_GEMM_BACKEND=triton`` turns it off. Dimension legend as in ``moe/gemm_nvfp4.py``.
@@ -40,6 +40,10 @@ TILES = (8, 16, 32, 64)  # tokens per CTA tile (wgmma's N)
 # runs as several tiles, each reading the CTA's weight rows again (from L2).
 MAX_CAPACITY = 16
 MAX_MEAN_ROWS = 8
+# Split bits halve the expansion's integer work, which moves the masked crossover up: on an H100 (docs/perf.md)
+# this kernel led the Triton kernel at 64 rows per expert (391 vs 444 us at (4096, 7168), 224 vs 250 at
+# (7168, 2048)) and trailed it at 128 (771 vs 514).
+MAX_CAPACITY_SPLIT = 64
 MAX_EXPERTS = 65535  # one grid row per expert
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -56,14 +60,18 @@ def tile_for(group_rows: int) -> int:
     return next((t for t in TILES if t >= group_rows), TILES[-1])
 
 
-def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacity: int, act: int, kperm: bool) -> bool:
+def usable(
+    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacity: int, act: int, kperm: bool, split_bits=False
+) -> bool:
     """Whether the kernel takes the call: sm_90, K-permuted weights, decode-sized groups (a masked capacity up to
-    ``MAX_CAPACITY``, contiguous groups of up to ``MAX_MEAN_ROWS`` rows on average), bf16 activations, weight
-    rows (and GEMM1's output columns) a multiple of 64, dense operands with 16-byte aligned activations."""
+    ``MAX_CAPACITY``, or ``MAX_CAPACITY_SPLIT`` with ``split_bits``; contiguous groups of up to ``MAX_MEAN_ROWS``
+    rows on average), bf16 activations, weight rows (and GEMM1's output columns) a multiple of 64, dense operands
+    with 16-byte aligned activations."""
     if envs.gemm_backend() == "triton" or not kperm:
         return False
     group_rows = _rows_per_expert(a.shape[0], w.shape[0], capacity if offsets is None else None)
-    if group_rows > (MAX_CAPACITY if offsets is None else MAX_MEAN_ROWS):
+    max_capacity = MAX_CAPACITY_SPLIT if split_bits else MAX_CAPACITY
+    if group_rows > (max_capacity if offsets is None else MAX_MEAN_ROWS):
         return False
     if a.dtype != torch.bfloat16 or out.dtype not in (torch.bfloat16, torch.float32):
         return False
