@@ -42,9 +42,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "uses them there",
     ),
     "FLASHINFER_MOE_NVFP4_SPLIT_BITS": (
-        "0",
-        "`1` makes the SGLang plugin pack NVFP4 layers in split bits (`pack_nvfp4_weights(split_bits=True)`); "
-        "opt-in until it is timed on a GPU",
+        "1",
+        "`0` makes the SGLang plugin pack NVFP4 layers as K-permuted bytes only "
+        "(`pack_nvfp4_weights(split_bits=False)`) instead of split bits",
     ),
     "FLASHINFER_MOE_A2A_TIMEOUT_S": (
         "30",
@@ -143,7 +143,7 @@ def mla_backend() -> str:
 
 
 def nvfp4_split_bits() -> bool:
-    return _bool("FLASHINFER_MOE_NVFP4_SPLIT_BITS")
+    return _str("FLASHINFER_MOE_NVFP4_SPLIT_BITS") is None or _bool("FLASHINFER_MOE_NVFP4_SPLIT_BITS")
 
 
 def cuda_home() -> Path | None:

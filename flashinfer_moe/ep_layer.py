@@ -488,9 +488,9 @@ class EPMoELayer(nn.Module):
         with SafetensorsMapping(path) as weights:
             self.load_expert_weights(weights, prefix)
 
-    def pack_weights(self, split_bits: bool = False) -> None:
-        """Packs the local experts' FP8 block weights for the Hopper decode kernel, or K-permutes NVFP4 ones (with
-        ``split_bits``, into split bits; :meth:`MoELayer.pack_weights`)."""
+    def pack_weights(self, split_bits: bool | None = None) -> None:
+        """Packs the local experts' FP8 block weights for the Hopper decode kernel, or NVFP4 ones into split bits
+        (``split_bits=False``: K-permuted only; :meth:`MoELayer.pack_weights`)."""
         self.experts.pack_weights(split_bits)
         self._drop_graphs()
 

@@ -296,7 +296,7 @@ class MoELayer(nn.Module):
     # ------------------------------------------------------------------------------------------- loading
 
     @torch.no_grad()
-    def pack_weights(self, split_bits: bool = False) -> None:
+    def pack_weights(self, split_bits: bool | None = None) -> None:
         """Re-lays ``w13`` and ``w2`` in place as :func:`flashinfer_moe.pack_fp8_block_weights` packs them
         (``w13`` with ``gated=True``): on Hopper the grouped GEMMs then stream each weight piece with one bulk
         copy, which measured 1-4% faster per layer up to T = 128 tokens and 2-4% slower at T = 4096
@@ -311,16 +311,19 @@ class MoELayer(nn.Module):
         With ``"nvfp4"`` it K-permutes ``w13`` and ``w2`` in place as :func:`flashinfer_moe.pack_nvfp4_weights`
         does (``H`` and ``I`` multiples of 64; the parameters then have shape `[E, N, K / 64, 32]`): the W4A16
         kernel then moves each thread's weight bytes out of shared memory in one instruction instead of eight
-        (docs/perf.md, NVFP4). ``split_bits=True`` packs them as ``pack_nvfp4_weights(w, split_bits=True)`` does
-        (parameters `[E, N, K / 8, 4]`); a layer packed the other way is converted.
+        (docs/perf.md, NVFP4). By default (``split_bits`` None or True) they are packed as
+        ``pack_nvfp4_weights(w)`` packs them, in split bits (parameters `[E, N, K / 8, 4]`); ``split_bits=False``
+        K-permutes them only. A layer packed the other way is converted.
 
         Raises:
             ValueError: the layer's quant is not ``"fp8_block"`` or ``"nvfp4"``, ``hidden_size`` (the rows of
-                ``w2``) is not a multiple of 256 (FP8), or ``split_bits`` is asked of FP8 weights.
-            TypeError: ``split_bits`` is not a bool.
+                ``w2``) is not a multiple of 256 (FP8), or ``split_bits=True`` is asked of FP8 weights.
+            TypeError: ``split_bits`` is not None or a bool.
         """
-        if not isinstance(split_bits, bool):
-            raise TypeError(f"split_bits must be a bool, got {type(split_bits).__name__}")
+        if split_bits is not None and not isinstance(split_bits, bool):
+            raise TypeError(f"split_bits must be None or a bool, got {type(split_bits).__name__}")
+        if split_bits is None:
+            split_bits = self.quant == "nvfp4"
         if self.quant == "nvfp4":
             layer_nvfp4.check_packable(self.hidden_size, self.intermediate_size)
         elif self.quant != "fp8_block":

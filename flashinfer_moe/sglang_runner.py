@@ -156,9 +156,9 @@ SPLIT_BITS = "_flashinfer_moe_split_bits"
 
 
 def k_permute_nvfp4_(layer: torch.nn.Module, pack: bool = True) -> None:
-    """K-permutes (``pack``; in split bits with ``FLASHINFER_MOE_NVFP4_SPLIT_BITS=1``) an NVFP4 layer's loaded
-    ``w13_weight`` and ``w2_weight`` in place for the Hopper kernel (measured faster at every size but 64 rows
-    per expert, docs/perf.md), or restores the checkpoint's byte order; a no-op where the layer is already so,
+    """K-permutes (``pack``; in split bits unless ``FLASHINFER_MOE_NVFP4_SPLIT_BITS=0``) an NVFP4 layer's loaded
+    ``w13_weight`` and ``w2_weight`` in place for the Hopper kernel (split bits measured faster than plain bytes
+    at every size, docs/perf.md), or restores the checkpoint's byte order; a no-op where the layer is already so,
     or where H or I is not a multiple of 64 (left plain)."""
     w13, w2 = layer.w13_weight.data, layer.w2_weight.data
     span = NVFP4_K_MULTIPLE // 2  # bytes

@@ -122,7 +122,7 @@ def sweep(rows: list[dict], kperm: bool = False) -> dict[str, dict]:
     for cls, ((kind, e, per_expert, n, k, gated), candidates) in SWEEP.items():
         w, s, gs = nvfp4_weights(e, n, k, gated)
         if kperm:
-            w = fm.pack_nvfp4_weights(w).data
+            w = fm.pack_nvfp4_weights(w, split_bits=False).data
         counts = torch.full((e,), per_expert, dtype=torch.int32, device=DEV)
         a = torch.randn(e * per_expert, k, device=DEV, dtype=torch.bfloat16)
         offsets = None if kind == "masked" else torch.arange(e, dtype=torch.int32, device=DEV) * per_expert
@@ -265,7 +265,7 @@ def contiguous_rows(rows: list[dict]) -> None:
         a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         aq, a_s = _fp8_rows(m, k)
         w, s, gs = nvfp4_weights(e, n, k)
-        wp, wb = fm.pack_nvfp4_weights(w), fm.pack_nvfp4_weights(w, split_bits=True)
+        wp, wb = fm.pack_nvfp4_weights(w, split_bits=False), fm.pack_nvfp4_weights(w, split_bits=True)
         w8, s8 = _fp8_weights(e, n, k)
         out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
         t = timed(
@@ -312,7 +312,7 @@ def fused_rows(rows: list[dict]) -> None:
         f13, fs13 = _fp8_weights(e, 2 * inter, h)
         f2, fs2 = _fp8_weights(e, h, inter)
         p13, p2 = fm.pack_fp8_block_weights(f13, gated=True), fm.pack_fp8_block_weights(f2)
-        k13, k2 = fm.pack_nvfp4_weights(w13), fm.pack_nvfp4_weights(w2)
+        k13, k2 = fm.pack_nvfp4_weights(w13, split_bits=False), fm.pack_nvfp4_weights(w2, split_bits=False)
         b13, b2 = fm.pack_nvfp4_weights(w13, split_bits=True), fm.pack_nvfp4_weights(w2, split_bits=True)
         nv_kw = dict(quant="nvfp4", w13_scale=s13, w2_scale=s2, w13_global_scale=g13, w2_global_scale=g2)
         f8_kw = dict(quant="fp8_block", w13_scale=fs13, w2_scale=fs2)

@@ -12,8 +12,8 @@ Layout of ``PackedNvfp4Weights.data``: `[E, N, K / 2]` uint8 like the plain weig
 row, stored byte ``8 q + 2 c + h`` (``q``, ``c`` < 4, ``h`` < 2) is plain byte ``8 c + 4 h + q``. K must be a
 multiple of 64 (whole spans).
 
-Split bits (``split_bits=True``, opt-in): on top of the byte order, the 32 bits of each 4-byte word (little
-endian) are moved so that the kernels' expansion needs about half the integer instructions of the byte-table
+Split bits (``split_bits=True``, the default of ``pack_nvfp4_weights``): on top of the byte order, the 32 bits
+of each 4-byte word (little endian) are moved so that the kernels' expansion needs about half the integer instructions of the byte-table
 lookup. Byte ``j`` of a K-permuted word becomes the bf16 pair ``j`` (its low nibble the low half): with
 ``PAIR_MASK`` = 0x81C081C0 (per half: the sign at bit 15, the 3-bit magnitude at bits 8..6),
 
@@ -132,14 +132,15 @@ def check_packable(name: str, w: object) -> torch.Tensor:
     return w
 
 
-def pack_nvfp4_weights(w, *, split_bits: bool = False) -> PackedNvfp4Weights:
-    """K-permutes NVFP4 expert weights for the Hopper W4A16 kernel (once, at load time).
+def pack_nvfp4_weights(w, *, split_bits: bool = True) -> PackedNvfp4Weights:
+    """K-permutes NVFP4 expert weights for the Hopper W4A16 kernel (once, at load time), in split bits by default.
 
     Args:
         w: `[E, N, K / 2]` uint8 (ModelOpt ``weight``: two E2M1 codes per byte, element ``2i`` in the low
             nibble), ``K`` a multiple of 64.
-        split_bits: also split each 4-byte word's bits for the shift-and-mask expansion (module docstring).
-            Opt-in: docs/perf.md says what was measured of it.
+        split_bits: also split each 4-byte word's bits for the shift-and-mask expansion (module docstring):
+            faster everywhere but contiguous prefill at 8 x 4096 rows (docs/perf.md). ``False``: K-permuted bytes
+            only.
 
     Returns:
         :class:`PackedNvfp4Weights` on ``w``'s device (a new tensor; ``w`` is not changed).

@@ -281,7 +281,7 @@ def case_matches_native(quant, routing, rsf, drop_ids, seed, tokens=37) -> dict:
         ids[::3, ::2] = -1
         topk = topk._replace(topk_ids=ids)
     w13, w2 = stacked(ckpt, "weight")
-    if quant == "nvfp4":  # the post-load step K-permutes NVFP4 weights (each row's bytes, in place)
+    if quant == "nvfp4":  # the post-load step packs NVFP4 weights in split bits (each row's bytes, in place)
         from flashinfer_moe import pack_nvfp4_weights
 
         w13, w2 = pack_nvfp4_weights(w13).data, pack_nvfp4_weights(w2).data
@@ -324,14 +324,13 @@ def case_matches_native(quant, routing, rsf, drop_ids, seed, tokens=37) -> dict:
 
 
 def case_nvfp4_reload(seed: int = 7, tokens: int = 13, split_bits: bool = False) -> dict:
-    """NVFP4 weights are K-permuted after loading (``split_bits``: in split bits,
-    ``FLASHINFER_MOE_NVFP4_SPLIT_BITS=1``); a reload through SGLang's ``weight_loader`` puts the layer back in
+    """NVFP4 weights are packed after loading (in split bits, the default, or with
+    ``FLASHINFER_MOE_NVFP4_SPLIT_BITS=0`` K-permuted only); a reload through SGLang's ``weight_loader`` puts the layer back in
     checkpoint order before it writes, so a partial reload (no post-load step) and a full one (with it) both
     give the new checkpoint's output."""
     import os
 
-    if split_bits:
-        os.environ["FLASHINFER_MOE_NVFP4_SPLIT_BITS"] = "1"
+    os.environ["FLASHINFER_MOE_NVFP4_SPLIT_BITS"] = "1" if split_bits else "0"
     try:
         return _nvfp4_reload(seed, tokens)
     finally:

@@ -51,7 +51,7 @@ def _ranks_agree(rank: int, world: int, seed: int, backend: str, share: bool) ->
             torch.cuda.synchronize()
             for mode in ("high_throughput", "low_latency", "auto"):
                 layer = build(None, quant, mode, device, weights, backend=backend, timeout_s=120)
-                if quant == "nvfp4" and mode == "low_latency":  # the decode layer's K-permuted weights
+                if quant == "nvfp4" and mode == "low_latency":  # the decode layer's packed weights (split bits)
                     layer.pack_weights()
                 assert layer.backend == (backend if world > 1 else "local"), (layer.backend, layer.fallback_reason)
                 tag = f"{quant} {'fp8 ckpt' if fp8 else 'bf16 ckpt'} {mode}"

@@ -139,18 +139,18 @@ def _loaded_layer(g):
 
 
 def test_pack_weights_k_permutes_in_place_and_loads_packed(rng):
-    """pack_weights: same output, weights K-permuted over their own memory; loading into a packed layer packs
+    """pack_weights: same output, weights K-permuted (split_bits=False) over their own memory; loading into a packed layer packs
     what it loads; unpack_weights restores the checkpoint's bytes; sizes that are not whole spans refused."""
     seed, g = rng
     layer, ckpt, x, want = _loaded_layer(g)
     plain13, plain2, ptr = layer.w13.clone(), layer.w2.clone(), layer.w13.data_ptr()
-    layer.pack_weights()
+    layer.pack_weights(split_bits=False)
     assert layer.weights_packed and layer.w13.data_ptr() == ptr and layer.w13.shape == (6, 128, 2, 32)
-    assert torch.equal(layer.w13.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain13).data)
-    assert torch.equal(layer.w2.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain2).data)
+    assert torch.equal(layer.w13.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain13, split_bits=False).data)
+    assert torch.equal(layer.w2.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain2, split_bits=False).data)
     assert torch.equal(layer(x), want), f"seed {seed}"
     fresh = make_layer("softmax", 6, 2, 128, 64, "nvfp4", g)
-    fresh.pack_weights()
+    fresh.pack_weights(split_bits=False)
     fresh.load_expert_weights(ckpt)
     assert torch.equal(fresh.w13, layer.w13) and torch.equal(fresh.w2, layer.w2)
     with pytest.raises(RuntimeError, match="size mismatch"):  # a packed state never loads as plain bytes
@@ -163,13 +163,13 @@ def test_pack_weights_k_permutes_in_place_and_loads_packed(rng):
 
 
 def test_pack_weights_split_bits(rng):
-    """pack_weights(split_bits=True): same output, the bytes pack_nvfp4_weights(split_bits=True) makes, over the
+    """pack_weights() (split bits by default): same output, the bytes pack_nvfp4_weights() makes, over the
     same memory, shaped a word per row; loading into such a layer splits what it loads; a split state loads only
     into a layer packed the same way; repacking the other way and unpacking restore the checkpoint's bytes."""
     seed, g = rng
     layer, ckpt, x, want = _loaded_layer(g)
     plain13, plain2, ptr = layer.w13.clone(), layer.w2.clone(), layer.w13.data_ptr()
-    layer.pack_weights(split_bits=True)
+    layer.pack_weights()
     assert layer.nvfp4_split_bits and layer.w13.data_ptr() == ptr and layer.w13.shape == (6, 128, 16, 4)
     assert "split_bits=True" in repr(layer)
     assert torch.equal(layer.w13.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain13, split_bits=True).data)
@@ -181,12 +181,12 @@ def test_pack_weights_split_bits(rng):
     fresh.load_expert_weights(ckpt)
     assert torch.equal(fresh.w13, layer.w13) and torch.equal(fresh.w2, layer.w2)
     kperm = make_layer("softmax", 6, 2, 128, 64, "nvfp4", g)
-    kperm.pack_weights()
+    kperm.pack_weights(split_bits=False)
     with pytest.raises(RuntimeError, match="size mismatch"):  # never read as K-permuted bytes
         kperm.load_state_dict(layer.state_dict())
-    layer.pack_weights()  # to K-permuted bytes
+    layer.pack_weights(split_bits=False)  # to K-permuted bytes
     assert not layer.nvfp4_split_bits and torch.equal(
-        layer.w13.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain13).data
+        layer.w13.flatten(2), flashinfer_moe.pack_nvfp4_weights(plain13, split_bits=False).data
     )
     layer.pack_weights(split_bits=True)
     layer.unpack_weights()
@@ -195,6 +195,7 @@ def test_pack_weights_split_bits(rng):
     assert_error_names_argument(lambda: layer.pack_weights(split_bits="yes"), TypeError, "split_bits")
     fp8 = MoELayer(4, 2, 256, 128, quant="fp8_block")
     assert_error_names_argument(lambda: fp8.pack_weights(split_bits=True), ValueError, "split_bits")
+    fp8.pack_weights()  # the default is each quant's own packing
 
 
 # ------------------------------------------------------------------------------------------------------ GPU

@@ -17,7 +17,7 @@ def test_permutation_gives_each_wgmma_thread_its_bytes_together():
     """Stored byte 8 q + 2 c + h of a 32-byte span is plain byte 8 c + 4 h + q: thread q's bytes q and q + 4
     of each of the four 16-element groups, in group order."""
     plain = torch.arange(64, dtype=torch.uint8).view(1, 1, 64)
-    stored = fm.pack_nvfp4_weights(plain).data.view(2, 4, 4, 2)  # [span, q, c, h]
+    stored = fm.pack_nvfp4_weights(plain, split_bits=False).data.view(2, 4, 4, 2)  # [span, q, c, h]
     for span in range(2):
         for q in range(4):
             for c in range(4):
@@ -84,7 +84,7 @@ def test_pack_unpack_round_trip(rng, shape, split_bits):
     assert packed.layout == (packed_nvfp4.SPLIT_BITS if split_bits else packed_nvfp4.KPERM)
     assert torch.equal(packed.unpack(), w), seed
     if split_bits:  # the bytes of split bits are the K-permuted bytes' bits moved within each word
-        kperm = fm.pack_nvfp4_weights(w).data
+        kperm = fm.pack_nvfp4_weights(w, split_bits=False).data
         assert torch.equal(packed_nvfp4._split_bits(kperm, forward=True), packed.data), seed
         assert "split_bits=True" in repr(packed)
 
@@ -106,7 +106,8 @@ def test_split_bits_in_steps(monkeypatch):
 def test_pack_unpack_and_in_place_round_trip(rng, shape):
     seed, g = rng
     w = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
-    packed = fm.pack_nvfp4_weights(w)
+    assert fm.pack_nvfp4_weights(w).split_bits, "split bits are the default"
+    packed = fm.pack_nvfp4_weights(w, split_bits=False)
     assert packed.shape == shape and packed.dtype == torch.uint8
     assert not torch.equal(packed.data, w) or shape[2] == 1, seed
     assert torch.equal(packed.unpack(), w), seed
