@@ -411,10 +411,15 @@ class CollectiveAllToAll:
 
 
 def _permute_any(rows: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-    """``rows`` [R, n] into the masked layout `[E, C, n]`: the permute kernel for floats, an indexed copy of the
-    bytes for other types (FP8). Slots without a pair are unspecified."""
+    """``rows`` [R, n] into the masked layout `[E, C, n]`: the permute kernel for floats, and for one-byte rows
+    (FP8) of even width too, moved as fp16 pairs (a copy moves the bits unchanged); an indexed copy of the bytes
+    otherwise. Slots without a pair are unspecified."""
     if rows.dtype in (torch.float32, torch.float16, torch.bfloat16):
         return permute(rows, layout)
+    if rows.element_size() == 1 and rows.shape[1] % 2 == 0 and rows.stride(1) == 1:
+        # The indexed copy below expands every row top_k times first: at 512 tokens per rank on 4 GPUs it made
+        # the low-latency FP8 dispatch take over a millisecond.
+        return permute(rows.view(torch.float16), layout).view(rows.dtype)
     out = torch.empty(layout.num_rows + 1, rows.shape[1], dtype=rows.dtype, device=rows.device)
     target = torch.where(layout.row_of >= 0, layout.row_of, layout.num_rows).long()  # [R, k]
     source = rows.view(torch.uint8).unsqueeze(1).expand(-1, target.shape[1], -1)

@@ -124,11 +124,15 @@ def _exact(rank, world, seed, tokens, kind, mode, backend, hidden=64, fp8=False,
 # ------------------------------------------------------------------------------------------------ CPU tier
 
 
-@pytest.mark.parametrize("mode", ["high_throughput", "low_latency"])
-@pytest.mark.parametrize("backend", ["auto", "nccl"])
-def test_cpu_dispatch_combine_exact(mode, backend):
+@pytest.mark.parametrize(
+    "mode, backend, fp8, hidden",
+    [(mode, backend, False, 64) for mode in ("high_throughput", "low_latency") for backend in ("auto", "nccl")]
+    # Low-latency FP8 rows into the expert-major layout: even widths through the permute kernel, odd ones bytewise.
+    + [("low_latency", "nccl", True, 64), ("low_latency", "nccl", True, 67)],
+)
+def test_cpu_dispatch_combine_exact(mode, backend, fp8, hidden):
     seed = _seed()
-    results = run_ranks(_exact, 4, seed, [5, 0, 7, 33], "random", mode, backend)
+    results = run_ranks(_exact, 4, seed, [5, 0, 7, 33], "random", mode, backend, hidden, fp8)
     for chosen, reason in results:
         assert chosen == "nccl", f"seed {seed}"
         if backend == "auto":  # every rank says why it is not P2P
