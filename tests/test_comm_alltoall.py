@@ -235,7 +235,7 @@ def _exact_shapes(rank, world, seed, mode, backend, fp8):
     return [_exact(rank, world, seed, t[:world], kind, mode, backend, hidden, fp8)[0] for t, kind, hidden in cases]
 
 
-def _auto(rank, world, force):
+def _auto(rank, world, seed, force):
     if force:
         os.environ["FLASHINFER_MOE_PROBE_FORCE"] = force
     from flashinfer_moe.comm.p2p_check import pair_attributes
@@ -249,7 +249,8 @@ def _auto(rank, world, force):
         None, num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=64, max_tokens_per_rank=8, timeout_s=2,
         scale_groups=64 // GROUP,
     )  # fmt: skip
-    _check_call(comm, rank, world, _inputs(_seed(), world, [8] * world, "random", 64, False), "cuda", comm.mode)
+    # One seed for every rank: each builds the reference from all ranks' inputs.
+    _check_call(comm, rank, world, _inputs(seed, world, [8] * world, "random", 64, False), "cuda", comm.mode)
     comm.close()
     return fit, comm.backend, comm.fallback_reason
 
@@ -259,7 +260,7 @@ def _auto(rank, world, force):
 def test_gpu_auto_decision(force):
     """Auto takes P2P exactly when every pair is fit; a live check forced to fail sends every rank to NCCL."""
     world = _gpus()
-    results = run_ranks(_auto, world, force, backend="nccl")
+    results = run_ranks(_auto, world, _seed(), force, backend="nccl")
     fit = all(r[0] for r in results)
     for _, backend, reason in results:
         if fit and force is None:
