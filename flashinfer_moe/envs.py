@@ -79,10 +79,10 @@ def _float(name: str, default: float) -> float:
     return value
 
 
-def _bool(name: str) -> bool:
+def _bool(name: str, default: bool = False) -> bool:
     raw = _str(name)
     if raw is None:
-        return False
+        return default
     if raw.lower() in ("1", "true", "yes", "on"):
         return True
     if raw.lower() in ("0", "false", "no", "off"):
@@ -143,7 +143,7 @@ def mla_backend() -> str:
 
 
 def nvfp4_split_bits() -> bool:
-    return _str("FLASHINFER_MOE_NVFP4_SPLIT_BITS") is None or _bool("FLASHINFER_MOE_NVFP4_SPLIT_BITS")
+    return _bool("FLASHINFER_MOE_NVFP4_SPLIT_BITS", True)
 
 
 def cuda_home() -> Path | None:

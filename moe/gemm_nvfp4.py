@@ -70,8 +70,8 @@ def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, a
     from . import gemm_nvfp4_kernel as kernel
     from . import gemm_nvfp4_sm90 as sm90
 
-    kperm = wlayout != PLAIN
-    if sm90.usable(a, w, out, offsets, capacity, act, kperm, wlayout == SPLIT_BITS):
+    kperm, split = wlayout != PLAIN, wlayout == SPLIT_BITS
+    if sm90.usable(a, w, out, offsets, capacity, act, kperm, split):
         with on_device(a):
             sm90.launch(
                 a,
@@ -85,7 +85,7 @@ def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, a
                 alpha=alpha,
                 limit=limit,
                 capacity=capacity,
-                split_bits=wlayout == SPLIT_BITS,
+                split_bits=split,
             )
         return
     config = kernel.pick(a.shape[0], w.shape[0], capacity, bool(act), 2 * w.shape[2], kperm)
@@ -104,7 +104,7 @@ def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, a
             capacity=capacity,
             config=config,
             kperm=kperm,
-            split_bits=wlayout == SPLIT_BITS,
+            split_bits=split,
         )
 
 

@@ -159,8 +159,9 @@ def expand_nvfp4(
 ):
     """``packed`` `[BLOCK_N, BLOCK_K / 2]` uint8 (element 2i in the low nibble; with ``KPERM`` in the
     K-permuted byte order), or with ``SPLIT`` (and ``KPERM``) split-bits words `[BLOCK_N, BLOCK_K / 8]` int32,
-    and ``scale`` `[BLOCK_N, BLOCK_K / 16]` (E4M3 block scales, any float type) -> `[BLOCK_N, BLOCK_K]` values in ``DTYPE`` (``EXPAND_PRMT`` needs a bf16 ``DTYPE``
-    and a GPU; with ``SPLIT`` it returns the values times 2**-8)."""
+    and ``scale`` `[BLOCK_N, BLOCK_K / 16]` (E4M3 block scales, any float type) -> `[BLOCK_N, BLOCK_K]` values
+    in ``DTYPE`` (``EXPAND_PRMT`` needs a bf16 ``DTYPE`` and a GPU; with ``SPLIT`` it returns the values times
+    2**-8)."""
     if EXPAND == 2:
         if SPLIT:
             scale = scale.to(tl.float32) * _SPLIT_SCALE
