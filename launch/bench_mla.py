@@ -121,9 +121,11 @@ def forced_path(path: str):
     read by the plan and at launch, so a graph captured inside keeps the choice); ``old``: Triton with the
     gathered pointer loads where it would take the TMA ones (``TMA_CONFIGS``, read at launch too); ``fp8_bf16``:
     FP8 pages widened to bf16 (``FP8_F16_MATH`` off); ``wide``: FP8 pages of up to 32 rows on the 64-row CUDA
-    kernel instead of the narrow one (``decode_sm90.NARROW_MAX_ROWS`` 0); ``new``: the default."""
+    kernel instead of the narrow one (``decode_sm90.NARROW_MAX_ROWS`` 0); ``cpasync``: the 64-row CUDA kernel's
+    tiles by cp.async token rows where it would take them by TMA (``decode_sm90.TMA_MIN_PAGE`` 0); ``new``: the
+    default."""
     saved, saved_f16, saved_env = D.TMA_CONFIGS, DK.FP8_F16_MATH, os.environ.get(BACKEND_ENV)
-    saved_narrow = decode_sm90.NARROW_MAX_ROWS
+    saved_narrow, saved_tma = decode_sm90.NARROW_MAX_ROWS, decode_sm90.TMA_MIN_PAGE
     if path in ("old", "triton"):
         os.environ[BACKEND_ENV] = "triton"
     if path == "old":
@@ -132,11 +134,13 @@ def forced_path(path: str):
         DK.FP8_F16_MATH = False
     if path == "wide":
         decode_sm90.NARROW_MAX_ROWS = 0
+    if path == "cpasync":
+        decode_sm90.TMA_MIN_PAGE = 0
     try:
         yield
     finally:
         D.TMA_CONFIGS, DK.FP8_F16_MATH = saved, saved_f16
-        decode_sm90.NARROW_MAX_ROWS = saved_narrow
+        decode_sm90.NARROW_MAX_ROWS, decode_sm90.TMA_MIN_PAGE = saved_narrow, saved_tma
         if saved_env is None:
             os.environ.pop(BACKEND_ENV, None)
         else:

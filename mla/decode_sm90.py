@@ -1,6 +1,7 @@
 """The Hopper paged MLA decode written in CUDA, for bf16/fp16 or FP8 pages of any page size, tiles of 64 tokens
-copied with cp.async one token row at a time (so page 1 loads like page 64) and read by wgmma in shared memory
-(FP8 tiles widened to fp16 there first, the queries scaled into fp16). Two kernels:
+copied with cp.async one token row at a time (so page 1 loads like page 64; bf16/fp16 pages of ``TMA_MIN_PAGE``
+tokens and more by TMA boxes instead) and read by wgmma in shared memory (FP8 tiles widened to fp16 there first,
+the queries scaled into fp16). Two kernels:
 
 - ``csrc/mla/sm90_mla_decode.cu``: 64 (new token, head) rows per CTA, two warpgroups sharing the 512 output
   columns; bf16/fp16 pages, and FP8 pages of more than ``NARROW_MAX_ROWS`` rows.
@@ -41,12 +42,17 @@ BLOCK_M = 64  # rows per CTA of the 64-row kernel; the plan's row blocks for bot
 # docs/perf.md) the narrow kernel is 1.21-1.32x faster there than the 64-row one (16 rows: than the Triton one).
 NARROW_MAX_ROWS = 32
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
+# Pages of at least this many tokens: the 64-row kernel's bf16/fp16 tiles by TMA (9 boxes a tile at page 64, issued
+# by one thread) instead of cp.async token rows, and the narrow kernel's FP8 tiles of the one-tensor cache by one
+# bulk copy each; 0 keeps cp.async everywhere. The 64-row kernel takes TMA tiles from page 16 on; on an H100
+# (docs/perf.md) they were 1.13-1.21x faster at page 64 with 128 heads, and no faster at page 16.
+TMA_MIN_PAGE = 64
 LOG2E = 1.4426950408889634
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "fim_sm90_mla_decode": (
-        [_vp] * 12 + [_int] * 6 + [_float, _int, _int, _vp, _float, _int, _int, _vp],
+        [_vp] * 12 + [_int] * 6 + [_float, _int, _int, _vp, _float, _int, ctypes.c_int64, _int, _int, _vp],
         _int,
     )
 }
@@ -113,6 +119,8 @@ def launch(q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_
         kv_scale.data_ptr() if isinstance(kv_scale, torch.Tensor) else None,
         1.0 if kv_scale is None or isinstance(kv_scale, torch.Tensor) else float(kv_scale),
         int(ckv.dtype == FP8 and s_q * heads <= NARROW_MAX_ROWS),
+        ckv.shape[0],
+        int(0 < TMA_MIN_PAGE <= page),
         num_programs,
         stream_of(q_nope),
     )

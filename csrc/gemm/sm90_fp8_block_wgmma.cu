@@ -481,28 +481,11 @@ __global__ void fp8_block_grouped(const __grid_constant__ CUtensorMap, const __g
 
 // ---------------------------------------------------------------------------------------------- host side
 
-using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
-
-EncodeTiled encode_fn() {
-  static EncodeTiled fn = []() -> EncodeTiled {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return nullptr;
-    }
-    return reinterpret_cast<EncodeTiled>(ptr);
-  }();
-  return fn;
-}
-
 // A row-major 2-D tensor [outer, inner] of `elem_bytes`-byte elements, moved in boxes of [box_outer, box_inner]
 // with the 128-byte swizzle; rows past `outer` read as zeros and are not written.
 bool encode(CUtensorMap* map, const void* base, CUtensorMapDataType type, uint32_t elem_bytes, uint64_t inner,
             uint64_t outer, uint32_t box_inner, uint32_t box_outer, CUtensorMapL2promotion promotion) {
-  EncodeTiled fn = encode_fn();
+  sm90::EncodeTiled fn = sm90::tensor_map_encoder();
   if (!fn) return false;
   const cuuint64_t dims[2] = {inner, outer};
   const cuuint64_t strides[1] = {inner * elem_bytes};
@@ -522,7 +505,7 @@ bool encode_operand(CUtensorMap* map, const void* base, uint64_t k, uint64_t out
 // block of [E * N]}, so that one box {128, 64, 2, 2} at block b brings rows 64 b + [0, 64) of the gate, the same
 // rows of the up projection (I rows on), then the next 64 of each: the interleaved order store_gated expects.
 bool encode_gated_weights(CUtensorMap* map, const void* base, uint64_t k, uint64_t n, uint64_t num_groups) {
-  EncodeTiled fn = encode_fn();
+  sm90::EncodeTiled fn = sm90::tensor_map_encoder();
   if (!fn) return false;
   const cuuint64_t dims[4] = {k, 64, 2, num_groups * n / 64};
   const cuuint64_t strides[3] = {k, (n / 2) * k, 64 * k};

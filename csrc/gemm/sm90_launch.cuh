@@ -1,6 +1,8 @@
-// Host-side steps that both Hopper grouped-GEMM libraries (ours and the CUTLASS one) take before a launch.
+// Host-side steps that the Hopper kernel libraries (the grouped GEMMs, ours and the CUTLASS one, and MLA decode)
+// take before a launch.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 namespace fim {
@@ -28,6 +30,25 @@ cudaError_t opt_in_shared_memory(int bytes) {
     done[device] = true;
   }
   return cudaSuccess;
+}
+
+using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
+
+// The driver's tensor-map encoder, found once through the runtime (so that no library links libcuda itself);
+// null where the driver has none.
+inline EncodeTiled tensor_map_encoder() {
+  static EncodeTiled fn = []() -> EncodeTiled {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<EncodeTiled>(ptr);
+  }();
+  return fn;
 }
 
 }  // namespace sm90

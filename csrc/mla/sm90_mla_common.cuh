@@ -5,6 +5,7 @@
 // 16-bit elements.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -27,7 +28,12 @@ constexpr int kChunks = 72;               // 16-byte chunks per row of 576 (512 
 constexpr int kBlock = 8192;              // bytes of one 64-column block of 64 rows
 constexpr int kImage = 9 * kBlock;        // Q or one stage
 constexpr int kUnit = 64, kOverhead = 2;  // the schedule's cost model (mla/plan_kernel.py)
+constexpr int kTmaMinPage = 16;           // the smallest pages the 64-row kernel can take by TMA (1024-byte atoms)
+
 struct Params {
+  // TMA path only: the latent and rope pages as 3-D tensors {column, token in page, page}, boxes of 64 columns
+  // x min(page, 64) tokens, 128-byte swizzled (the images' layout).
+  CUtensorMap map_ckv, map_kpe;
   const void* qn;   // [B, s_q, Hq, 512]
   const void* qp;   // [B, s_q, Hq, 64]
   const void* ckv;  // [P, page, >= 512]
@@ -44,6 +50,7 @@ struct Params {
   int64_t o_b, o_s, o_h;
   int64_t l_b, l_s, l_h;
   int batch, rows, heads, s_q, page_shift, max_tokens, causal;
+  int tma;                // the 64-row kernel: tiles by TMA (map_ckv, map_kpe); the narrow one: a tile by one bulk copy
   float qk_scale;         // sm_scale * log2(e)
   const float* kv_scale;  // FP8 pages: the dequantization factor on the device, or null for kv_scale_value
   float kv_scale_value;
@@ -126,6 +133,34 @@ __device__ __forceinline__ void copy_rows(const Params& p, uint32_t stage, const
     cp_async_16(stage + chunk_offset(r, lane), ckv + lat, bytes);
     cp_async_16(stage + chunk_offset(r, lane + 32), ckv + lat + 512, bytes);
     if (lane < 8) cp_async_16(stage + chunk_offset(r, 64 + lane), kpe + rope, bytes);
+  }
+}
+
+// Pages of kTmaMinPage tokens or more: the tile at token t0 by TMA, issued by one thread, completing on `bar`
+// (armed here with the bytes issued). A box of min(page, 64) tokens x 64 columns per page and column block, so
+// 9 boxes a tile at page 64 and up; pages from token `hi` on are not read (zero_rows clears their rows).
+__device__ __forceinline__ void tma_tile(const Params& p, const int32_t* bt_row, int t0, int hi, uint32_t stage,
+                                         uint64_t* bar) {
+  const int page = 1 << p.page_shift;
+  const int rows = min(page, kTile);
+  int boxes = 0;
+  for (int k = 0; k < kTile; k += rows) boxes += t0 + k < hi;
+  sm90_wgmma::bar_expect_tx(bar, boxes * rows * kChunks * 16);
+  for (int k = 0; k < kTile && t0 + k < hi; k += rows) {
+    const int tok = t0 + k;
+    const int pg = bt_row[tok >> p.page_shift], slot = tok & (page - 1);
+    const uint32_t dst = stage + k * 128;
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) sm90_wgmma::tma_load_3d(dst + kb * kBlock, &p.map_ckv, bar, kb * 64, slot, pg);
+    sm90_wgmma::tma_load_3d(dst + 8 * kBlock, &p.map_kpe, bar, 0, slot, pg);
+  }
+}
+
+// Rows `valid` .. 63 of a landed tile to zeros, by a warpgroup's thread t: the tokens past a sequence's end,
+// which the TMA copied from their page as they are (or not at all). Their P is 0, but 0 x NaN is not.
+__device__ __forceinline__ void zero_rows(uint32_t stage, int valid, int t) {
+  for (int i = t; i < (kTile - valid) * kChunks; i += 128) {
+    sm90_nvfp4::sts128(stage + chunk_offset(valid + i / kChunks, i % kChunks), 0u, 0u, 0u, 0u);
   }
 }
 

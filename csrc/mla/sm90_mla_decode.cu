@@ -5,7 +5,8 @@
 // warpgroup's registers). Warpgroup 0 computes the scores of a tile (Q [64, 576] . K^T, both from shared memory),
 // runs the online softmax, writes P (bf16/fp16) and the rows' rescale factors to shared memory and adds P . V to
 // output columns [0, 256); warpgroup 1 adds P . V to columns [256, 512) and loads the tiles with cp.async, one
-// token row (1152 bytes) per warp step, so any page size (1 included) loads the same way; the copies of tile
+// token row (1152 bytes) per warp step, so any page size (1 included) loads the same way, or (bf16/fp16 pages of
+// 16 tokens and more, where the host asks for it) by TMA boxes that one of its threads issues; the copies of tile
 // i + 2 are issued as soon as both warpgroups are done with tile i (two stages). V is the tile's
 // first 512 columns, read in place as wgmma's MN-major B operand.
 //
@@ -70,8 +71,19 @@ __device__ __forceinline__ void widen_and_signal(uint32_t base, uint64_t* full, 
   sm90_wgmma::bar_arrive(&ready[s]);
 }
 
+// Warpgroup 1, TMA path: waits for the last tile of a piece (global tile g), which ends `valid` tokens in, clears
+// its rows past the end and tells warpgroup 0 through `tail` (warpgroup 0 waits there instead of at the stage).
+__device__ __forceinline__ void clear_tail(uint32_t base, uint64_t* full, uint64_t* tail, uint32_t g, int valid,
+                                           int t) {
+  const uint32_t s = g & 1;
+  bar_wait(&full[s], (g >> 1) & 1);
+  zero_rows(base + (1 + s) * kImage, valid, t);
+  fence_async_smem();  // the zeros -> warpgroup 0's wgmma reads
+  sm90_wgmma::bar_arrive(tail);
+}
+
 // QF16: fp16 queries and output (else bf16). FP8: E4M3 pages, widened to fp16 by warpgroup 1 in shared memory, the
-// products in fp16 (queries scaled into fp16 first).
+// products in fp16 (queries scaled into fp16 first). p.tma (not with FP8): the tiles by TMA, else by cp.async.
 template <bool QF16, bool FP8>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
   constexpr bool F16 = QF16 || FP8;  // the products' input type
@@ -87,15 +99,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kOffBar);  // [2] stages
   uint64_t* qbar = full + 2;
   uint64_t* ready = full + 3;  // [2] FP8: the stage widened
+  uint64_t* tail = full + 5;   // TMA: a piece's last tile, if partial, cleared past the sequence's end
 
   // The warpgroup index through a shuffle, so that the compiler knows it is warp-uniform (else it serializes
   // the wgmma in the two roles' branches).
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), t = tid & 127, warp = t >> 5;
   const int lane = tid & 31;
   const int rb = blockIdx.x, prog = blockIdx.y;
+  const bool tma = !FP8 && p.tma;
   if (tid == 0) {
-    bar_init(&full[0], 128);
-    bar_init(&full[1], 128);
+    bar_init(&full[0], tma ? 1 : 128);
+    bar_init(&full[1], tma ? 1 : 128);
+    bar_init(tail, 128);
     bar_init(qbar, kThreads);
     bar_init(&ready[0], 128);
     bar_init(&ready[1], 128);
@@ -124,6 +139,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 
   uint32_t tiles_done = 0;  // tiles this CTA consumed so far: the stages' and barriers' phases
   uint32_t pieces = 0;
+  uint32_t tails = 0;  // partial last tiles so far (TMA): the `tail` barrier's phase
   while (cursor < end) {
     const int seq_start = starts[b], seq_end = ends[b], splits = splits_of[b];
     const int piece_end = min(end, seq_end);
@@ -132,11 +148,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const int tok_hi = min(max(piece_end - seq_start - kOverhead, 0) * kUnit, length);
     const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kTile - 1) / kTile : 0;
     const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
+    const int tail_valid = tok_hi - tok_lo - (ntiles - 1) * kTile;  // tokens of the last tile
+    const bool partial = tma && ntiles > 0 && tail_valid < kTile;
 
     __syncthreads();  // the previous piece is done with Q and both stages
     if (wg == 1) {
       for (int i = 0; i < 2 && i < ntiles; ++i) {
         const uint32_t s = (tiles_done + i) & 1;
+        if (tma) {
+          if (t == 0) tma_tile(p, bt_row, tok_lo + i * kTile, tok_hi, base + (1 + s) * kImage, &full[s]);
+          continue;
+        }
         const Rows rows = look_up(p, bt_row, tok_lo + i * kTile, tok_hi, warp, lane, kv_elem);
         if constexpr (FP8) {
           copy_rows_fp8(p, base + (1 + s) * kImage, rows, warp, lane);
@@ -168,7 +190,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       for (int i = 0; i < ntiles; ++i) {
         const uint32_t g = tiles_done + i, s = g & 1;
         const uint32_t stage = base + (1 + s) * kImage;
-        bar_wait(FP8 ? &ready[s] : &full[s], (g >> 1) & 1);
+        if (partial && i + 1 == ntiles) {
+          bar_wait(tail, tails & 1);
+        } else {
+          bar_wait(FP8 ? &ready[s] : &full[s], (g >> 1) & 1);
+        }
         fence_async_smem();  // cp.async (or the widening's) writes -> wgmma's reads
         float sc[32];
         wgmma_fence();
@@ -264,6 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       // FP8: tile 0 is widened here, tile i + 1 at the end of iteration i (once tile i + 2's copies are issued),
       // each signalled to warpgroup 0 by its stage's `ready` barrier.
       if (FP8 && ntiles > 0) widen_and_signal(base, full, ready, tiles_done, t);
+      if (partial && ntiles == 1) clear_tail(base, full, tail, tiles_done, tail_valid, t);
       for (int i = 0; i < ntiles; ++i) {
         const uint32_t g = tiles_done + i, s = g & 1;
         const uint32_t stage = base + (1 + s) * kImage;
@@ -285,7 +312,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         fence_regs(o);
         named_sync(kBarEmpty);  // warpgroup 0 is done with this stage too
         named_arrive(kBarPFree);
-        if (i + 2 < ntiles) {  // tile i + 2 into this stage
+        if (tma && i + 2 < ntiles) {  // tile i + 2 into this stage
+          if (t == 0) tma_tile(p, bt_row, tok_lo + (i + 2) * kTile, tok_hi, stage, &full[s]);
+        } else if (i + 2 < ntiles) {
           const Rows rows = look_up(p, bt_row, tok_lo + (i + 2) * kTile, tok_hi, warp, lane, kv_elem);
           if constexpr (FP8) {
             copy_rows_fp8(p, stage, rows, warp, lane);
@@ -295,6 +324,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
           cp_async_arrive(&full[s]);
         }
         if (FP8 && i + 1 < ntiles) widen_and_signal(base, full, ready, g + 1, t);
+        if (partial && i + 2 == ntiles) clear_tail(base, full, tail, g + 1, tail_valid, t);
       }
     }
     __syncthreads();  // row maxima and sums in shared memory
@@ -336,6 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       }
     }
     tiles_done += ntiles;
+    tails += partial;
     ++pieces;
     cursor = piece_end;
     ++b;
@@ -357,6 +388,22 @@ int launch(const Params& p, int row_blocks, int programs, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
+// One of the page tensors (ckv or kpe: `cols` columns, strides in elements) as the 3-D tensor {column, token in
+// page, page} of 16-bit elements, in boxes of 64 columns x min(page, 64) tokens.
+bool encode_pages(CUtensorMap* map, const void* base, int cols, int page, int64_t num_pages, int64_t page_stride,
+                  int64_t token_stride) {
+  sm90::EncodeTiled fn = sm90::tensor_map_encoder();
+  if (fn == nullptr) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(page),
+                              static_cast<cuuint64_t>(num_pages)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(token_stride) * 2, static_cast<cuuint64_t>(page_stride) * 2};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(page < kTile ? page : kTile), 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 }  // namespace sm90_mla
 }  // namespace fim
 
@@ -370,7 +417,8 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
                         const int32_t* seq_lens, const int32_t* sched, float* part_out, float* part_lse, void* out,
                         float* lse, const int64_t* strides, int batch, int s_q, int heads, int page_shift,
                         int max_tokens, int causal, float qk_scale, int fp16, int fp8, const float* kv_scale,
-                        float kv_scale_value, int narrow, int programs, cudaStream_t stream) {
+                        float kv_scale_value, int narrow, int64_t num_pages, int tma, int programs,
+                        cudaStream_t stream) {
   fim::sm90_mla::Params p{};
   p.qn = qn;
   p.qp = qp;
@@ -396,13 +444,23 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
   p.qk_scale = qk_scale;
   p.kv_scale = kv_scale;
   p.kv_scale_value = kv_scale_value;
-  if (fp8 && narrow && p.rows <= 32) return fim::sm90_mla::launch_narrow(p, fp16, programs, stream);
+  const int page = 1 << page_shift;
+  if (fp8 && narrow && p.rows <= 32) {
+    // One bulk copy a tile where a tile is 64 whole token rows of 576 bytes in one page (the one-tensor cache).
+    p.tma = tma && page >= fim::sm90_mla::kTile && p.ckv_t == 576 && p.kpe_t == 576 && p.kpe_p == p.ckv_p &&
+            static_cast<const char*>(kpe) == static_cast<const char*>(ckv) + 512;
+    return fim::sm90_mla::launch_narrow(p, fp16, programs, stream);
+  }
   const int row_blocks = (p.rows + fim::sm90_mla::kRows - 1) / fim::sm90_mla::kRows;
   using fim::sm90_mla::launch;
   if (fp8) {
     return fp16 ? launch<true, true>(p, row_blocks, programs, stream)
                 : launch<false, true>(p, row_blocks, programs, stream);
   }
+  // The TMA path where its descriptors encode (else the cp.async copies, which take any layout).
+  p.tma = tma && page >= fim::sm90_mla::kTmaMinPage &&
+          fim::sm90_mla::encode_pages(&p.map_ckv, ckv, 512, page, num_pages, p.ckv_p, p.ckv_t) &&
+          fim::sm90_mla::encode_pages(&p.map_kpe, kpe, 64, page, num_pages, p.kpe_p, p.kpe_t);
   return fp16 ? launch<true, false>(p, row_blocks, programs, stream)
               : launch<false, false>(p, row_blocks, programs, stream);
 }

@@ -53,6 +53,16 @@ __device__ __forceinline__ void copy_raw(const Params& p, uint32_t raw, const Ro
   copy_rows_fp8(p, raw - kFp8Off, rows, warp, lane);
 }
 
+// p.tma: the tile at token t0 is 64 whole rows of one page, 36864 contiguous bytes: one bulk copy, issued by one
+// thread and completing on `bar` (armed here). Rows past the sequence's end come as the page holds them; the
+// widening clears them.
+__device__ __forceinline__ void bulk_raw(const Params& p, const int32_t* bt_row, int t0, uint32_t raw, uint64_t* bar) {
+  const int64_t page = bt_row[t0 >> p.page_shift];
+  const int slot = t0 & ((1 << p.page_shift) - 1);
+  sm90_wgmma::bar_expect_tx(bar, kRaw);
+  sm90_wgmma::bulk_load(raw, static_cast<const char*>(p.ckv) + page * p.ckv_p + slot * p.ckv_t, kRaw, bar);
+}
+
 template <bool QF16, int N>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __grid_constant__ Params p) {
   using T = typename std::conditional<QF16, __half, __nv_bfloat16>::type;
@@ -76,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
   const int lane = tid & 31, q = lane & 3;
   const int prog = blockIdx.y;
   if (tid == 0) {
-    for (int r = 0; r < kRawBuffers; ++r) bar_init(&full[r], 128);
+    for (int r = 0; r < kRawBuffers; ++r) bar_init(&full[r], p.tma ? 1 : 128);
     bar_init(ready, 128);
     bar_init(empty, 128);
     bar_init(qbar, kThreads);
@@ -110,6 +120,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
     if (wg == 1) {
       for (int i = 0; i < kRawBuffers && i < ntiles; ++i) {
         const uint32_t r = (tiles_done + i) % kRawBuffers;
+        if (p.tma) {
+          if (t == 0) bulk_raw(p, bt_row, tok_lo + i * kTile, s_raw + r * kRaw, &full[r]);
+          continue;
+        }
         copy_raw(p, s_raw + r * kRaw, look_up(p, bt_row, tok_lo + i * kTile, tok_hi, warp, lane, 1), warp, lane);
         cp_async_arrive(&full[r]);
       }
@@ -272,7 +286,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
       // page lookups made one tile earlier, a global load in flight meanwhile), then the fp16 image once warpgroup 0
       // is done with that image's previous tile.
       Rows next{};
-      if (kRawBuffers < ntiles) next = look_up(p, bt_row, tok_lo + kRawBuffers * kTile, tok_hi, warp, lane, 1);
+      if (!p.tma && kRawBuffers < ntiles)
+        next = look_up(p, bt_row, tok_lo + kRawBuffers * kTile, tok_hi, warp, lane, 1);
       for (int i = 0; i < ntiles; ++i) {
         const uint32_t g = tiles_done + i, r = g % kRawBuffers;
         const uint32_t raw = s_raw + r * kRaw;
@@ -282,7 +297,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
 #pragma unroll
         for (int j = 0; j < 18; ++j) v[j] = sm90_wgmma::lds128(raw + (j * 128 + t) * 16);
         wg_sync(kBarRaw);  // the buffer is read: its refill may start
-        if (i + kRawBuffers < ntiles) {
+        if (p.tma) {
+          // Rows past the sequence's end read zeros (the bulk copy took them from the page as they are).
+          const int valid = tok_hi - tok_lo - i * kTile;
+#pragma unroll
+          for (int j = 0; j < 18; ++j) {
+            if ((j * 128 + t) / 36 >= valid) v[j] = make_uint4(0u, 0u, 0u, 0u);
+          }
+          if (t == 0 && i + kRawBuffers < ntiles)
+            bulk_raw(p, bt_row, tok_lo + (i + kRawBuffers) * kTile, raw, &full[r]);
+        } else if (i + kRawBuffers < ntiles) {
           copy_raw(p, raw, next, warp, lane);
           cp_async_arrive(&full[r]);
           if (i + kRawBuffers + 1 < ntiles)
