@@ -122,8 +122,8 @@ def forced_path(path: str):
     gathered pointer loads where it would take the TMA ones (``TMA_CONFIGS``, read at launch too); ``fp8_bf16``:
     FP8 pages widened to bf16 (``FP8_F16_MATH`` off); ``wide``: FP8 pages of up to 32 rows on the 64-row CUDA
     kernel instead of the narrow one (``decode_sm90.NARROW_MAX_ROWS`` 0); ``cpasync``: the 64-row CUDA kernel's
-    tiles by cp.async token rows where it would take them by TMA (``decode_sm90.TMA_MIN_PAGE`` 0); ``new``: the
-    default."""
+    tiles by cp.async token rows where it would take them by TMA (``decode_sm90.TMA_MIN_PAGE`` 0); ``tma_all``: by
+    TMA at every page size (``TMA_MIN_PAGE`` 1); ``new``: the default."""
     saved, saved_f16, saved_env = D.TMA_CONFIGS, DK.FP8_F16_MATH, os.environ.get(BACKEND_ENV)
     saved_narrow, saved_tma = decode_sm90.NARROW_MAX_ROWS, decode_sm90.TMA_MIN_PAGE
     if path in ("old", "triton"):
@@ -134,8 +134,8 @@ def forced_path(path: str):
         DK.FP8_F16_MATH = False
     if path == "wide":
         decode_sm90.NARROW_MAX_ROWS = 0
-    if path == "cpasync":
-        decode_sm90.TMA_MIN_PAGE = 0
+    if path in ("cpasync", "tma_all"):
+        decode_sm90.TMA_MIN_PAGE = 0 if path == "cpasync" else 1
     try:
         yield
     finally:

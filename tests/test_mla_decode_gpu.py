@@ -55,17 +55,17 @@ def test_full_mix_every_page_size(rng, monkeypatch, page, s_q, backend):
 
 
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("page", [p for p in D.PAGE_SIZES if p >= 16])
+@pytest.mark.parametrize("page", D.PAGE_SIZES)
 def test_tma_tiles_equal_cp_async_tiles(rng, monkeypatch, page, split):
-    """The 64-row kernel's tiles by TMA (pages of 16 tokens and more) and by cp.async token rows fill the same
-    images, so the outputs are bit-equal; both against float64 on the full length mix (rows past each sequence's
-    end poisoned with NaN), 64 heads x 2 new tokens, one- and two-tensor caches."""
+    """The 64-row kernel's tiles by TMA (at every page size here; by default from TMA_MIN_PAGE on) and by cp.async
+    token rows fill the same images, so the outputs are bit-equal; both against float64 on the full length mix
+    (rows past each sequence's end poisoned with NaN), 64 heads x 2 new tokens, one- and two-tensor caches."""
     seed, g = rng
     case = make_case(g, MIX, 2, 64, page, torch.bfloat16, torch.bfloat16, split=split, device=DEV)
     _backend(monkeypatch, "auto", case)
     got = {}
-    for tma in (True, False):  # TMA from page 16 on (the default starts higher), or never
-        monkeypatch.setattr(decode_sm90, "TMA_MIN_PAGE", 16 if tma else 0)
+    for tma in (True, False):  # TMA at every page size, or never
+        monkeypatch.setattr(decode_sm90, "TMA_MIN_PAGE", 1 if tma else 0)
         got[tma] = run_decode(case, SM_SCALE, num_sms=None)
     assert_close(
         *got[True], *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"seed {seed}", lse_tol=lse_tol(case)

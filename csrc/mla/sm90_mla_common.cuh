@@ -28,7 +28,6 @@ constexpr int kChunks = 72;               // 16-byte chunks per row of 576 (512 
 constexpr int kBlock = 8192;              // bytes of one 64-column block of 64 rows
 constexpr int kImage = 9 * kBlock;        // Q or one stage
 constexpr int kUnit = 64, kOverhead = 2;  // the schedule's cost model (mla/plan_kernel.py)
-constexpr int kTmaMinPage = 16;           // the smallest pages the 64-row kernel can take by TMA (1024-byte atoms)
 
 struct Params {
   // TMA path only: the latent and rope pages as 3-D tensors {column, token in page, page}, boxes of 64 columns
@@ -136,20 +135,22 @@ __device__ __forceinline__ void copy_rows(const Params& p, uint32_t stage, const
   }
 }
 
-// Pages of kTmaMinPage tokens or more: the tile at token t0 by TMA, issued by one thread, completing on `bar`
-// (armed here with the bytes issued). A box of min(page, 64) tokens x 64 columns per page and column block, so
-// 9 boxes a tile at page 64 and up; pages from token `hi` on are not read (zero_rows clears their rows).
+// The tile at token t0 by TMA, issued by the 32 lanes of one warp, completing on `bar` (armed by lane 0 first
+// with the bytes the warp issues): a box of min(page, 64) tokens x 64 columns per page and column block, each lane
+// taking every 32nd page of the tile (9 boxes a tile at page 64 and up, 576 at page 1, 18 a lane). The boxes land
+// at their rows' place in the 128-byte swizzled image, whose pattern follows the shared-memory address. Pages from
+// token `hi` on are not read (zero_rows clears their rows).
 __device__ __forceinline__ void tma_tile(const Params& p, const int32_t* bt_row, int t0, int hi, uint32_t stage,
-                                         uint64_t* bar) {
+                                         uint64_t* bar, int lane) {
   const int page = 1 << p.page_shift;
   const int rows = min(page, kTile);
-  int boxes = 0;
-  for (int k = 0; k < kTile; k += rows) boxes += t0 + k < hi;
-  sm90_wgmma::bar_expect_tx(bar, boxes * rows * kChunks * 16);
-  for (int k = 0; k < kTile && t0 + k < hi; k += rows) {
-    const int tok = t0 + k;
+  const int boxes = min((max(hi - t0, 0) + rows - 1) / rows, kTile / rows);  // pages of the tile that are read
+  if (lane == 0) sm90_wgmma::bar_expect_tx(bar, boxes * rows * kChunks * 16);
+  __syncwarp();
+  for (int k = lane; k < boxes; k += 32) {
+    const int tok = t0 + k * rows;
     const int pg = bt_row[tok >> p.page_shift], slot = tok & (page - 1);
-    const uint32_t dst = stage + k * 128;
+    const uint32_t dst = stage + k * rows * 128;
 #pragma unroll
     for (int kb = 0; kb < 8; ++kb) sm90_wgmma::tma_load_3d(dst + kb * kBlock, &p.map_ckv, bar, kb * 64, slot, pg);
     sm90_wgmma::tma_load_3d(dst + 8 * kBlock, &p.map_kpe, bar, 0, slot, pg);

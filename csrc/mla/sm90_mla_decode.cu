@@ -6,7 +6,7 @@
 // runs the online softmax, writes P (bf16/fp16) and the rows' rescale factors to shared memory and adds P . V to
 // output columns [0, 256); warpgroup 1 adds P . V to columns [256, 512) and loads the tiles with cp.async, one
 // token row (1152 bytes) per warp step, so any page size (1 included) loads the same way, or (bf16/fp16 pages of
-// 16 tokens and more, where the host asks for it) by TMA boxes that one of its threads issues; the copies of tile
+// any size, where the host asks for it) by TMA boxes that one of its warps issues; the copies of tile
 // i + 2 are issued as soon as both warpgroups are done with tile i (two stages). V is the tile's
 // first 512 columns, read in place as wgmma's MN-major B operand.
 //
@@ -107,6 +107,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int lane = tid & 31;
   const int rb = blockIdx.x, prog = blockIdx.y;
   const bool tma = !FP8 && p.tma;
+  // The warp that issues the TMA tiles, as a shuffled (warp-uniform) flag: a branch on the plain warp index makes
+  // ptxas serialize the wgmma.
+  const bool copier = __shfl_sync(0xffffffffu, tid >> 5, 0) == 4;
   if (tid == 0) {
     bar_init(&full[0], tma ? 1 : 128);
     bar_init(&full[1], tma ? 1 : 128);
@@ -156,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       for (int i = 0; i < 2 && i < ntiles; ++i) {
         const uint32_t s = (tiles_done + i) & 1;
         if (tma) {
-          if (t == 0) tma_tile(p, bt_row, tok_lo + i * kTile, tok_hi, base + (1 + s) * kImage, &full[s]);
+          if (copier) tma_tile(p, bt_row, tok_lo + i * kTile, tok_hi, base + (1 + s) * kImage, &full[s], lane);
           continue;
         }
         const Rows rows = look_up(p, bt_row, tok_lo + i * kTile, tok_hi, warp, lane, kv_elem);
@@ -313,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         named_sync(kBarEmpty);  // warpgroup 0 is done with this stage too
         named_arrive(kBarPFree);
         if (tma && i + 2 < ntiles) {  // tile i + 2 into this stage
-          if (t == 0) tma_tile(p, bt_row, tok_lo + (i + 2) * kTile, tok_hi, stage, &full[s]);
+          if (copier) tma_tile(p, bt_row, tok_lo + (i + 2) * kTile, tok_hi, stage, &full[s], lane);
         } else if (i + 2 < ntiles) {
           const Rows rows = look_up(p, bt_row, tok_lo + (i + 2) * kTile, tok_hi, warp, lane, kv_elem);
           if constexpr (FP8) {
@@ -458,8 +461,7 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
                 : launch<false, true>(p, row_blocks, programs, stream);
   }
   // The TMA path where its descriptors encode (else the cp.async copies, which take any layout).
-  p.tma = tma && page >= fim::sm90_mla::kTmaMinPage &&
-          fim::sm90_mla::encode_pages(&p.map_ckv, ckv, 512, page, num_pages, p.ckv_p, p.ckv_t) &&
+  p.tma = tma && fim::sm90_mla::encode_pages(&p.map_ckv, ckv, 512, page, num_pages, p.ckv_p, p.ckv_t) &&
           fim::sm90_mla::encode_pages(&p.map_kpe, kpe, 64, page, num_pages, p.kpe_p, p.kpe_t);
   return fp16 ? launch<true, false>(p, row_blocks, programs, stream)
               : launch<false, false>(p, row_blocks, programs, stream);
