@@ -43,10 +43,10 @@ BLOCK_M = 64  # rows per CTA of the 64-row kernel; the plan's row blocks for bot
 NARROW_MAX_ROWS = 32
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 # Pages of at least this many tokens: the 64-row kernel's bf16/fp16 tiles by TMA (9 boxes a tile at page 64, issued
-# by one thread) instead of cp.async token rows, and the narrow kernel's FP8 tiles of the one-tensor cache by one
+# by one warp) instead of cp.async token rows, and the narrow kernel's FP8 tiles of the one-tensor cache by one
 # bulk copy each; 0 keeps cp.async everywhere. The 64-row kernel takes TMA tiles at any page size (a box per page
-# and column block, so 576 a tile at page 1); on an H100 (docs/perf.md) they were 1.05-1.18x faster at page 64
-# with 128 (new token, head) rows and more, and no faster at page 16.
+# and column block, so 576 a tile at page 1); on an H100 (docs/perf.md) they were 1.04-1.15x faster at page 64
+# with 128 (new token, head) rows and more, no faster at page 16 and about 5x slower at page 1.
 TMA_MIN_PAGE = 64
 LOG2E = 1.4426950408889634
 

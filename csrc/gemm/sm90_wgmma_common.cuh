@@ -120,20 +120,17 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-// `bytes` (a multiple of 16) from `src` into shared memory, completing on `bar` (no tensor map, no swizzle: the
-// source is already laid out as the destination wants it).
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
-
-// The same at a shared-memory address.
+// `bytes` (a multiple of 16) from `src` into shared memory at `dst` (a shared-memory address), completing on `bar`
+// (no tensor map, no swizzle: the source is already laid out as the destination wants it).
 __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
+}
+
+// The same at a generic pointer into shared memory.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  bulk_load(smem_u32(dst), src, bytes, bar);
 }
 
 // Stores the [16 rows][64 columns] bf16 box at `src` (128-byte swizzled) to `out` at (col, row) through the
