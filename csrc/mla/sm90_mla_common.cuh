@@ -22,12 +22,13 @@ namespace fim {
 namespace sm90_mla {
 
 constexpr int kThreads = 256;
-constexpr int kRows = 64;                 // (new token, head) rows per CTA
-constexpr int kTile = 64;                 // tokens per tile
-constexpr int kChunks = 72;               // 16-byte chunks per row of 576 (512 latent + 64 rope)
-constexpr int kBlock = 8192;              // bytes of one 64-column block of 64 rows
-constexpr int kImage = 9 * kBlock;        // Q or one stage
-constexpr int kUnit = 64, kOverhead = 2;  // the schedule's cost model (mla/plan_kernel.py)
+constexpr int kRows = 64;                  // (new token, head) rows per CTA
+constexpr int kTile = 64;                  // tokens per tile
+constexpr int kChunks = 72;                // 16-byte chunks per row of 576 (512 latent + 64 rope)
+constexpr int kBlock = 8192;               // bytes of one 64-column block of 64 rows
+constexpr int kImage = 9 * kBlock;         // Q or one stage
+constexpr int kRaw = kTile * kChunks * 8;  // a tile's FP8 rows, [64][576] bytes
+constexpr int kUnit = 64, kOverhead = 2;   // the schedule's cost model (mla/plan_kernel.py)
 
 struct Params {
   // TMA path only: the latent and rope pages as 3-D tensors {column, token in page, page}, boxes of 64 columns
@@ -99,7 +100,7 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
   }
 }
 
-// A tile's copies are made by warpgroup 1: warp w copies tokens 16 w .. 16 w + 15, lane l their 16-byte chunks l,
+// A tile's copies are made by one warpgroup: its warp w copies tokens 16 w .. 16 w + 15, lane l their 16-byte chunks l,
 // l + 32 (latent) and, for l < 8, 64 + l (rope), so that each copy instruction of a warp reads 512 contiguous
 // bytes. Lane j < 16 looks token 16 w + j's row up (`Rows`) and the warp shares it; tokens from `hi` on read
 // zeros.
@@ -184,6 +185,16 @@ __device__ __forceinline__ void copy_rows_fp8(const Params& p, uint32_t stage, c
   }
 }
 
+// One-tensor FP8 cache, pages of 64 tokens and more: the tile at token t0 is 64 whole rows of one page, 36864
+// contiguous bytes: one bulk copy, issued by one thread and completing on `bar` (armed here). Rows past the
+// sequence's end come as the page holds them; the widening clears them.
+__device__ __forceinline__ void bulk_raw(const Params& p, const int32_t* bt_row, int t0, uint32_t raw, uint64_t* bar) {
+  const int64_t page = bt_row[t0 >> p.page_shift];
+  const int slot = t0 & ((1 << p.page_shift) - 1);
+  sm90_wgmma::bar_expect_tx(bar, kRaw);
+  sm90_wgmma::bulk_load(raw, static_cast<const char*>(p.ckv) + page * p.ckv_p + slot * p.ckv_t, kRaw, bar);
+}
+
 // Eight E4M3 values (8 bytes) to eight fp16 ones (exact), as four 32-bit words.
 __device__ __forceinline__ void e4m3x8_to_f16(uint32_t lo, uint32_t hi, uint32_t (&w)[4]) {
 #pragma unroll
@@ -202,12 +213,12 @@ __device__ __forceinline__ void store_widened(uint32_t stage, int r, int q, uint
   sm90_nvfp4::sts128(stage + chunk_offset(r, 2 * q + 1), b[0], b[1], b[2], b[3]);
 }
 
-// Q rows row0 .. row0 + ROWS - 1 of sequence b into their image, by all the CTA's threads; rows past the last one
-// read zeros.
-template <typename T, int ROWS>
+// Q rows row0 .. row0 + ROWS - 1 of sequence b into their image, by all the CTA's THREADS threads; rows past the
+// last one read zeros.
+template <typename T, int ROWS, int THREADS = kThreads>
 __device__ __forceinline__ void copy_queries(const Params& p, uint32_t s_q, int row0, int b, int tid) {
   constexpr int64_t elem = sizeof(T);
-  for (int i = tid; i < ROWS * kChunks; i += kThreads) {
+  for (int i = tid; i < ROWS * kChunks; i += THREADS) {
     const int r = i / kChunks, c = i % kChunks;
     const int row = row0 + r;
     const bool ok = row < p.rows;

@@ -1,24 +1,28 @@
 // Paged MLA decode on Hopper (sm_90a): the absorbed attention of one split-KV piece per CTA step, bf16, fp16 or
 // FP8 (E4M3) pages of any page size, 64 (new token, head) rows per CTA, 64-token tiles.
 //
-// Two warpgroups share the output's 512 latent columns (a [64, 512] fp32 accumulator would not fit one
-// warpgroup's registers). Warpgroup 0 computes the scores of a tile (Q [64, 576] . K^T, both from shared memory),
+// Two consumer warpgroups share the output's 512 latent columns (a [64, 512] fp32 accumulator would not fit one
+// warpgroup's registers): consumer 0 computes the scores of a tile (Q [64, 576] . K^T, both from shared memory),
 // runs the online softmax, writes P (bf16/fp16) and the rows' rescale factors to shared memory and adds P . V to
-// output columns [0, 256); warpgroup 1 adds P . V to columns [256, 512) and loads the tiles with cp.async, one
-// token row (1152 bytes) per warp step, so any page size (1 included) loads the same way, or (bf16/fp16 pages of
-// any size, where the host asks for it) by TMA boxes that one of its warps issues; the copies of tile
-// i + 2 are issued as soon as both warpgroups are done with tile i (two stages). V is the tile's
-// first 512 columns, read in place as wgmma's MN-major B operand.
+// output columns [0, 256); consumer 1 adds P . V to columns [256, 512). V is the tile's first 512 columns, read in
+// place as wgmma's MN-major B operand. The tiles come in two stages; the copies of tile i + 2 are issued as soon
+// as both consumers are done with tile i, by cp.async, one token row (1152 bytes) per warp step, so any page size
+// (1 included) loads the same way, or (bf16/fp16 pages where the host asks for it) by TMA boxes that one warp
+// issues. Who loads:
+// - bf16/fp16 pages, and FP8 pages of up to kWsMinRows rows: consumer 1, between its products;
+// - FP8 pages of more rows: a third warpgroup, the producer (few registers), which also widens the FP8 tiles, so
+//   that neither consumer has a copy or conversion on its chain; a tile of the one-tensor cache at pages of 64
+//   tokens and more comes as one bulk copy.
 //
 // Shared memory (128-byte swizzled, 8-row atoms of 1024 bytes): Q and each stage as [9 column blocks][64 rows]
 // [64 columns]; P as [64 rows][64 tokens]. The schedule (which pieces of which sequences a CTA walks) is the one
 // of mla/plan_kernel.py, and split pieces write the same workspace the Triton kernel does, merged by the same
 // combine kernel.
 //
-// FP8 pages: a tile's copies land as plain [64 rows][576 bytes] in the upper half of its stage; warpgroup 1 widens
-// them to fp16 in place (E4M3 -> fp16 is exact) and signals the stage's `ready` barrier; the queries are scaled by
-// the softmax scale into fp16 once per piece, the products run in fp16 and the pages' factor multiplies the
-// scores and the output.
+// FP8 pages: a tile's copies land as plain [64 rows][576 bytes] in the upper half of its stage; the loading
+// warpgroup widens them to fp16 in place (E4M3 -> fp16 is exact) and signals the stage's `ready` barrier; the
+// queries are scaled by the softmax scale into fp16 once per piece, the products run in fp16 and the pages' factor
+// multiplies the scores and the output.
 #include "mla/sm90_mla_common.cuh"
 
 namespace fim {
@@ -33,26 +37,41 @@ constexpr int kOffL = kOffM + 256;
 constexpr int kOffBar = kOffL + 256;
 constexpr int kSmem = kOffBar + 64 + 1024;
 
-// Named barriers (0 is __syncthreads'): P written (wg 0 -> wg 1), P read (wg 1 -> wg 0), stage read (wg 0 -> 1).
-constexpr int kBarPReady = 1, kBarPFree = 2, kBarEmpty = 3;
-constexpr int kBarWiden = 4, kBarQ = 5;  // within warpgroup 1 (FP8 widening), within warpgroup 0 (Q scaling)
+// The producer warpgroup for FP8 pages of more than kWsMinRows rows (on an H100, docs/perf.md: 1.28-1.43x faster
+// at page 64 with its bulk copies, 1.06-1.17x at page 1 from 128 rows; for bf16 pages it measured no faster).
+constexpr int kThreadsWs = 384, kWsMinRows = 32;
+// A CTA of 384 threads starts with 168 registers a thread and may hold no more in all (setmaxnreg.inc spins for
+// ever past that); ptxas spills below these.
+constexpr int kRegsProducer = 120, kRegsConsumer = 192;
+
+// Named barriers (0 is __syncthreads'): P written (wg 0 -> wg 1), P read (wg 1 -> wg 0), the consumers' epilogue,
+// a new piece (all warpgroups), within the widening warpgroup (FP8), within warpgroup 0 (Q scaling).
+constexpr int kBarPReady = 1, kBarPFree = 2, kBarEpilogue = 3, kBarPiece = 6;
+constexpr int kBarWiden = 4, kBarQ = 5;
+constexpr int kBarEmpty = 7;  // without the producer: stage read (wg 0 -> wg 1), cheaper than the mbarrier
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// Warpgroup 1 widens a landed FP8 tile to fp16 in the stage's swizzled image, in place: columns 0-255 first (their
-// image ends below the FP8 rows), then the rest, read into registers before anyone writes over the FP8 rows.
-__device__ __forceinline__ void widen_tile(uint32_t stage, int t) {
+// The loading warpgroup widens a landed FP8 tile to fp16 in the stage's swizzled image, in place: columns 0-255
+// first (their image ends below the FP8 rows), then the rest, read into registers before anyone writes over the FP8
+// rows. Rows from `valid` on become zeros (a bulk copy brought them from the page as it is). ROLLED: the first
+// half a chunk at a time (the producer has few registers; consumer 1 widens on the consumers' chain, so unrolls).
+template <bool ROLLED>
+__device__ __forceinline__ void widen_tile(uint32_t stage, int t, int valid) {
   const uint32_t fp8 = stage + kFp8Off;
-#pragma unroll
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll(ROLLED ? 1 : 8)
   for (int j = 0; j < 8; ++j) {  // 64 rows x 16 chunks of 16 bytes
     const int item = j * 128 + t, r = item >> 4, q = item & 15;
-    store_widened(stage, r, q, sm90_wgmma::lds128(fp8 + r * kChunks * 8 + q * 16));
+    const uint4 v = sm90_wgmma::lds128(fp8 + r * kChunks * 8 + q * 16);
+    store_widened(stage, r, q, r < valid ? v : zero);
   }
   uint4 rest[10];
 #pragma unroll
   for (int j = 0; j < 10; ++j) {  // 64 rows x 20 chunks
     const int item = j * 128 + t, r = item / 20, q = 16 + item % 20;
     rest[j] = sm90_wgmma::lds128(fp8 + r * kChunks * 8 + q * 16);
+    if (r >= valid) rest[j] = zero;
   }
   asm volatile("bar.sync %0, 128;" ::"r"(kBarWiden) : "memory");
 #pragma unroll
@@ -62,31 +81,78 @@ __device__ __forceinline__ void widen_tile(uint32_t stage, int t) {
   }
 }
 
-// Warpgroup 1: waits for tile g's copies, widens it, and tells warpgroup 0.
-__device__ __forceinline__ void widen_and_signal(uint32_t base, uint64_t* full, uint64_t* ready, uint32_t g, int t) {
-  const uint32_t s = g & 1;
-  bar_wait(&full[s], (g >> 1) & 1);
-  widen_tile(base + (1 + s) * kImage, t);
-  fence_async_smem();  // the widened tile's stores -> warpgroup 0's wgmma reads
-  sm90_wgmma::bar_arrive(&ready[s]);
+// The loading warpgroup: a tile into its stage, by TMA boxes (bf16/fp16) or one bulk copy (FP8), issued by one
+// warp, or by cp.async token rows (the whole warpgroup).
+template <bool FP8>
+__device__ __forceinline__ void issue_tile(const Params& p, const int32_t* bt_row, int t0, int hi, uint32_t stage,
+                                           uint64_t* bar, bool tma, bool copier, int warp, int lane) {
+  if (tma) {
+    if constexpr (FP8) {
+      if (copier && lane == 0) bulk_raw(p, bt_row, t0, stage + kFp8Off, bar);
+    } else if (copier) {
+      tma_tile(p, bt_row, t0, hi, stage, bar, lane);
+    }
+    return;
+  }
+  const Rows rows = look_up(p, bt_row, t0, hi, warp, lane, FP8 ? 1 : 2);
+  if constexpr (FP8) {
+    copy_rows_fp8(p, stage, rows, warp, lane);
+  } else {
+    copy_rows(p, stage, rows, warp, lane);
+  }
+  cp_async_arrive(bar);
 }
 
-// Warpgroup 1, TMA path: waits for the last tile of a piece (global tile g), which ends `valid` tokens in, clears
-// its rows past the end and tells warpgroup 0 through `tail` (warpgroup 0 waits there instead of at the stage).
-__device__ __forceinline__ void clear_tail(uint32_t base, uint64_t* full, uint64_t* tail, uint32_t g, int valid,
-                                           int t) {
-  const uint32_t s = g & 1;
+// The loading warpgroup, once tile g has landed: FP8 pages are widened (then `ready`); a piece's partial last tile
+// that came by TMA or bulk copy has its rows past the sequence's end cleared (bf16/fp16: then `tail`): the copies
+// take a page as it is, and P's zeros there would still meet whatever the page holds (0 x NaN is not 0).
+template <bool FP8, bool WS>
+__device__ __forceinline__ void prepare_tile(uint32_t base, uint64_t* full, uint64_t* ready, uint64_t* tail, uint32_t g,
+                                             bool last_partial, int valid, int t) {
+  if (!FP8 && !last_partial) return;
+  const uint32_t s = g & 1, stage = base + (1 + s) * kImage;
   bar_wait(&full[s], (g >> 1) & 1);
-  zero_rows(base + (1 + s) * kImage, valid, t);
-  fence_async_smem();  // the zeros -> warpgroup 0's wgmma reads
-  sm90_wgmma::bar_arrive(tail);
+  if constexpr (FP8) {
+    widen_tile<WS>(stage, t, last_partial ? valid : kTile);
+  } else {
+    zero_rows(stage, valid, t);
+  }
+  fence_async_smem();  // these stores -> the consumers' wgmma reads
+  sm90_wgmma::bar_arrive(FP8 ? &ready[s] : tail);
 }
 
-// QF16: fp16 queries and output (else bf16). FP8: E4M3 pages, widened to fp16 by warpgroup 1 in shared memory, the
-// products in fp16 (queries scaled into fp16 first). p.tma (not with FP8): the tiles by TMA, else by cp.async.
-template <bool QF16, bool FP8>
-__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
+// With the producer: a consumer warp is done reading a stage; its lane 0 arrives on the stage's `empty` barrier
+// (8 warps a phase), which the producer waits on before it refills the stage.
+__device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
+  if (lane == 0) sm90_wgmma::bar_arrive(empty);
+}
+
+// Where a CTA's piece of sequence b lies: its tokens [tok_lo, tok_hi) of the sequence's `length`, in `ntiles`
+// tiles, the last of which holds `tail_valid` tokens.
+struct Piece {
+  int seq_start, piece_end, length, tok_lo, tok_hi, ntiles, tail_valid;
+};
+
+__device__ __forceinline__ Piece piece_of(const Params& p, int b, int cursor, int end, int seq_start, int seq_end) {
+  Piece pc;
+  pc.seq_start = seq_start;
+  pc.piece_end = min(end, seq_end);
+  pc.length = min(max(p.seq_lens[b], 0), p.max_tokens);
+  pc.tok_lo = max(cursor - seq_start - kOverhead, 0) * kUnit;
+  pc.tok_hi = min(max(pc.piece_end - seq_start - kOverhead, 0) * kUnit, pc.length);
+  pc.ntiles = pc.tok_hi > pc.tok_lo ? (pc.tok_hi - pc.tok_lo + kTile - 1) / kTile : 0;
+  pc.tail_valid = pc.tok_hi - pc.tok_lo - (pc.ntiles - 1) * kTile;
+  return pc;
+}
+
+// QF16: fp16 queries and output (else bf16). FP8: E4M3 pages, widened to fp16 in shared memory, the products in
+// fp16 (queries scaled into fp16 first). p.tma (not with FP8): the tiles by TMA, else by cp.async. WS: a third
+// warpgroup, the producer, makes the copies (and widens FP8 tiles, clears TMA tails), so that the consumers keep no
+// copy or conversion instruction on their chain; else consumer 1 does that work between its products.
+template <bool QF16, bool FP8, bool WS>
+__global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
   constexpr bool F16 = QF16 || FP8;  // the products' input type
+  constexpr int kCta = WS ? kThreadsWs : kThreads;
   using T = typename std::conditional<QF16, __half, __nv_bfloat16>::type;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
@@ -96,27 +162,31 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   float* s_alpha = reinterpret_cast<float*>(smem + kOffAlpha);
   float* s_m = reinterpret_cast<float*>(smem + kOffM);
   float* s_l = reinterpret_cast<float*>(smem + kOffL);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kOffBar);  // [2] stages
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kOffBar);  // [2] stages landed
   uint64_t* qbar = full + 2;
   uint64_t* ready = full + 3;  // [2] FP8: the stage widened
-  uint64_t* tail = full + 5;   // TMA: a piece's last tile, if partial, cleared past the sequence's end
+  uint64_t* tail = full + 5;   // TMA (bf16/fp16): a piece's last tile, if partial, cleared past the sequence's end
+  uint64_t* empty = full + 6;  // [2] both consumers done with the stage (for the producer)
 
   // The warpgroup index through a shuffle, so that the compiler knows it is warp-uniform (else it serializes
-  // the wgmma in the two roles' branches).
+  // the wgmma in the roles' branches).
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), t = tid & 127, warp = t >> 5;
   const int lane = tid & 31;
   const int rb = blockIdx.x, prog = blockIdx.y;
-  const bool tma = !FP8 && p.tma;
-  // The warp that issues the TMA tiles, as a shuffled (warp-uniform) flag: a branch on the plain warp index makes
-  // ptxas serialize the wgmma.
-  const bool copier = __shfl_sync(0xffffffffu, tid >> 5, 0) == 4;
+  // bf16/fp16: TMA boxes; FP8 with the producer: a tile of the one-tensor cache as one bulk copy.
+  const bool tma = (!FP8 || WS) && p.tma;
+  // The warp that issues the TMA tiles (the producer's first, else consumer 1's), as a shuffled (warp-uniform)
+  // flag: a branch on the plain warp index makes ptxas serialize the wgmma.
+  const bool copier = __shfl_sync(0xffffffffu, tid >> 5, 0) == (WS ? 8 : 4);
   if (tid == 0) {
     bar_init(&full[0], tma ? 1 : 128);
     bar_init(&full[1], tma ? 1 : 128);
     bar_init(tail, 128);
-    bar_init(qbar, kThreads);
+    bar_init(qbar, kCta);
     bar_init(&ready[0], 128);
     bar_init(&ready[1], 128);
+    bar_init(&empty[0], 8);
+    bar_init(&empty[1], 8);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -130,54 +200,75 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   int cursor = prog * chunk;
   const int end = min(cursor + chunk, total);
   int b = slot_of[B + prog];
+  uint32_t tiles_done = 0;  // tiles this CTA consumed so far: the stages' and barriers' phases
+  uint32_t pieces = 0;
+  uint32_t tails = 0;  // partial last tiles so far (TMA): the `tail` barrier's phase
 
+  if (WS && wg == 2) {
+    // The producer: tile i + 1 is prepared while the consumers work on tile i, and tile i + 2 issued into tile
+    // i's stage once they are done with it.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegsProducer));
+    while (cursor < end) {
+      const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+      const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
+      const bool partial = tma && pc.ntiles > 0 && pc.tail_valid < kTile;
+      asm volatile("bar.sync %0, %1;" ::"r"(kBarPiece), "n"(kCta) : "memory");  // the last piece is done
+      for (int i = 0; i < 2 && i < pc.ntiles; ++i) {
+        const uint32_t s = (tiles_done + i) & 1;
+        issue_tile<FP8>(p, bt_row, pc.tok_lo + i * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s], tma, copier,
+                        warp, lane);
+      }
+      copy_queries<T, kRows, kCta>(p, s_q, rb * kRows, b, tid);
+      cp_async_arrive(qbar);
+      for (int i = -1; i < pc.ntiles; ++i) {
+        const uint32_t g = tiles_done + i, s = g & 1;
+        if (i + 1 < pc.ntiles)
+          prepare_tile<FP8, WS>(base, full, ready, tail, g + 1, partial && i + 2 == pc.ntiles, pc.tail_valid, t);
+        if (i >= 0 && i + 2 < pc.ntiles) {
+          bar_wait(&empty[s], (g >> 1) & 1);
+          issue_tile<FP8>(p, bt_row, pc.tok_lo + (i + 2) * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s], tma,
+                          copier, warp, lane);
+        }
+      }
+      tiles_done += pc.ntiles;
+      tails += partial;
+      ++pieces;
+      cursor = pc.piece_end;
+      ++b;
+    }
+    return;
+  }
+
+  if constexpr (WS) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegsConsumer));
   // This thread's two accumulator rows (wgmma's fragment: warp w holds rows 16 w .. 16 w + 15).
   const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8;
   const int row0 = rb * kRows + r0, row1 = rb * kRows + r1;
   const int qi0 = row0 / p.heads, qi1 = row1 / p.heads;
-  const int kv_elem = FP8 ? 1 : sizeof(T);  // the pages'
   float kv_scale = 1.f;
   if constexpr (FP8) kv_scale = p.kv_scale != nullptr ? *p.kv_scale : p.kv_scale_value;
   const float score_scale = FP8 ? kv_scale : p.qk_scale;  // FP8: the queries carry qk_scale
 
-  uint32_t tiles_done = 0;  // tiles this CTA consumed so far: the stages' and barriers' phases
-  uint32_t pieces = 0;
-  uint32_t tails = 0;  // partial last tiles so far (TMA): the `tail` barrier's phase
   while (cursor < end) {
-    const int seq_start = starts[b], seq_end = ends[b], splits = splits_of[b];
-    const int piece_end = min(end, seq_end);
-    const int length = min(max(p.seq_lens[b], 0), p.max_tokens);
-    const int tok_lo = max(cursor - seq_start - kOverhead, 0) * kUnit;
-    const int tok_hi = min(max(piece_end - seq_start - kOverhead, 0) * kUnit, length);
-    const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kTile - 1) / kTile : 0;
+    const int splits = splits_of[b];
+    const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
     const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
-    const int tail_valid = tok_hi - tok_lo - (ntiles - 1) * kTile;  // tokens of the last tile
-    const bool partial = tma && ntiles > 0 && tail_valid < kTile;
+    const bool partial = tma && pc.ntiles > 0 && pc.tail_valid < kTile;
 
-    __syncthreads();  // the previous piece is done with Q and both stages
-    if (wg == 1) {
-      for (int i = 0; i < 2 && i < ntiles; ++i) {
+    asm volatile("bar.sync %0, %1;" ::"r"(kBarPiece), "n"(kCta) : "memory");  // the last piece is done
+    if (!WS && wg == 1) {
+      for (int i = 0; i < 2 && i < pc.ntiles; ++i) {
         const uint32_t s = (tiles_done + i) & 1;
-        if (tma) {
-          if (copier) tma_tile(p, bt_row, tok_lo + i * kTile, tok_hi, base + (1 + s) * kImage, &full[s], lane);
-          continue;
-        }
-        const Rows rows = look_up(p, bt_row, tok_lo + i * kTile, tok_hi, warp, lane, kv_elem);
-        if constexpr (FP8) {
-          copy_rows_fp8(p, base + (1 + s) * kImage, rows, warp, lane);
-        } else {
-          copy_rows(p, base + (1 + s) * kImage, rows, warp, lane);
-        }
-        cp_async_arrive(&full[s]);
+        issue_tile<FP8>(p, bt_row, pc.tok_lo + i * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s], tma, copier,
+                        warp, lane);
       }
     }
-    copy_queries<T, kRows>(p, s_q, rb * kRows, b, tid);
+    copy_queries<T, kRows, kCta>(p, s_q, rb * kRows, b, tid);
     cp_async_arrive(qbar);
 
     // Rows see tokens below vis (the causal diagonal among the new tokens, and the piece's end).
     int vis0 = 0, vis1 = 0;
-    if (row0 < p.rows) vis0 = min(p.causal ? length - p.s_q + 1 + qi0 : length, tok_hi);
-    if (row1 < p.rows) vis1 = min(p.causal ? length - p.s_q + 1 + qi1 : length, tok_hi);
+    if (row0 < p.rows) vis0 = min(p.causal ? pc.length - p.s_q + 1 + qi0 : pc.length, pc.tok_hi);
+    if (row1 < p.rows) vis1 = min(p.causal ? pc.length - p.s_q + 1 + qi1 : pc.length, pc.tok_hi);
 
     float o[128];
 #pragma unroll
@@ -190,10 +281,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         scale_queries_f16<QF16, kRows>(s_q, p.qk_scale, t);
         asm volatile("bar.sync %0, 128;" ::"r"(kBarQ) : "memory");
       }
-      for (int i = 0; i < ntiles; ++i) {
+      for (int i = 0; i < pc.ntiles; ++i) {
         const uint32_t g = tiles_done + i, s = g & 1;
         const uint32_t stage = base + (1 + s) * kImage;
-        if (partial && i + 1 == ntiles) {
+        if (!FP8 && partial && i + 1 == pc.ntiles) {
           bar_wait(tail, tails & 1);
         } else {
           bar_wait(FP8 ? &ready[s] : &full[s], (g >> 1) & 1);
@@ -211,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         fence_regs(sc);
 
         // Online softmax in base 2; a row's 64 scores are spread over the 4 threads of a quad.
-        const int t0 = tok_lo + i * kTile;
+        const int t0 = pc.tok_lo + i * kTile;
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -248,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         l0 = l0 * a0 + sum0;
         l1 = l1 * a1 + sum1;
 
-        if (g > 0) named_sync(kBarPFree);  // warpgroup 1 has read the previous P
+        if (g > 0) named_sync(kBarPFree);  // consumer 1 has read the previous P
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const uint32_t col = (j ^ (r0 & 7)) * 16 + (lane & 3) * 4;  // r0 & 7 == r1 & 7
@@ -275,7 +366,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);
-        named_arrive(kBarEmpty);
+        if constexpr (WS) {
+          release_stage(&empty[s], lane);
+        } else {
+          named_arrive(kBarEmpty);
+        }
       }
       // The row sums were per thread: add the quad's.
 #pragma unroll
@@ -290,11 +385,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         s_l[r1] = l1;
       }
     } else {
-      // FP8: tile 0 is widened here, tile i + 1 at the end of iteration i (once tile i + 2's copies are issued),
-      // each signalled to warpgroup 0 by its stage's `ready` barrier.
-      if (FP8 && ntiles > 0) widen_and_signal(base, full, ready, tiles_done, t);
-      if (partial && ntiles == 1) clear_tail(base, full, tail, tiles_done, tail_valid, t);
-      for (int i = 0; i < ntiles; ++i) {
+      if (!WS && pc.ntiles > 0)
+        prepare_tile<FP8, WS>(base, full, ready, tail, tiles_done, partial && pc.ntiles == 1, pc.tail_valid, t);
+      for (int i = 0; i < pc.ntiles; ++i) {
         const uint32_t g = tiles_done + i, s = g & 1;
         const uint32_t stage = base + (1 + s) * kImage;
         named_sync(kBarPReady);
@@ -313,29 +406,27 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);
-        named_sync(kBarEmpty);  // warpgroup 0 is done with this stage too
-        named_arrive(kBarPFree);
-        if (tma && i + 2 < ntiles) {  // tile i + 2 into this stage
-          if (copier) tma_tile(p, bt_row, tok_lo + (i + 2) * kTile, tok_hi, stage, &full[s], lane);
-        } else if (i + 2 < ntiles) {
-          const Rows rows = look_up(p, bt_row, tok_lo + (i + 2) * kTile, tok_hi, warp, lane, kv_elem);
-          if constexpr (FP8) {
-            copy_rows_fp8(p, stage, rows, warp, lane);
-          } else {
-            copy_rows(p, stage, rows, warp, lane);
-          }
-          cp_async_arrive(&full[s]);
+        if constexpr (WS) {
+          release_stage(&empty[s], lane);
+        } else {
+          named_sync(kBarEmpty);  // consumer 0 is done with this stage too
         }
-        if (FP8 && i + 1 < ntiles) widen_and_signal(base, full, ready, g + 1, t);
-        if (partial && i + 2 == ntiles) clear_tail(base, full, tail, g + 1, tail_valid, t);
+        named_arrive(kBarPFree);
+        if constexpr (!WS) {
+          if (i + 2 < pc.ntiles)
+            issue_tile<FP8>(p, bt_row, pc.tok_lo + (i + 2) * kTile, pc.tok_hi, stage, &full[s], tma, copier, warp,
+                            lane);
+          if (i + 1 < pc.ntiles)
+            prepare_tile<FP8, WS>(base, full, ready, tail, g + 1, partial && i + 2 == pc.ntiles, pc.tail_valid, t);
+        }
       }
     }
-    __syncthreads();  // row maxima and sums in shared memory
+    named_sync(kBarEpilogue);  // row maxima and sums in shared memory
     const float fm0 = s_m[r0], fm1 = s_m[r1], fl0 = s_l[r0], fl1 = s_l[r1];
-    const float inv0 = ntiles > 0 && fl0 > 0.f ? kv_scale / fl0 : 0.f;  // FP8: the values' factor too
-    const float inv1 = ntiles > 0 && fl1 > 0.f ? kv_scale / fl1 : 0.f;
-    const float lse0 = ntiles > 0 && fl0 > 0.f ? fm0 + log2f(fl0) : -INFINITY;
-    const float lse1 = ntiles > 0 && fl1 > 0.f ? fm1 + log2f(fl1) : -INFINITY;
+    const float inv0 = pc.ntiles > 0 && fl0 > 0.f ? kv_scale / fl0 : 0.f;  // FP8: the values' factor too
+    const float inv1 = pc.ntiles > 0 && fl1 > 0.f ? kv_scale / fl1 : 0.f;
+    const float lse0 = pc.ntiles > 0 && fl0 > 0.f ? fm0 + log2f(fl0) : -INFINITY;
+    const float lse1 = pc.ntiles > 0 && fl1 > 0.f ? fm1 + log2f(fl1) : -INFINITY;
     const int col0 = wg * 256 + (lane & 3) * 2;
     if (splits == 1) {
       T* out = static_cast<T*>(p.out);
@@ -354,7 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         if (row1 < p.rows) p.lse[b * p.l_b + qi1 * p.l_s + h1 * p.l_h] = lse1 * kLn2;
       }
     } else {
-      const int64_t slot = slot_of[b] + prog - seq_start / chunk;
+      const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
       float* o0 = p.part_out + (slot * p.rows + row0) * 512 + col0;
       float* o1 = p.part_out + (slot * p.rows + row1) * 512 + col0;
 #pragma unroll
@@ -368,26 +459,26 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         if (row1 < p.rows) p.part_lse[slot * p.rows + row1] = lse1;
       }
     }
-    tiles_done += ntiles;
+    tiles_done += pc.ntiles;
     tails += partial;
     ++pieces;
-    cursor = piece_end;
+    cursor = pc.piece_end;
     ++b;
   }
 }
 
 #else
 
-template <bool QF16, bool FP8>
+template <bool QF16, bool FP8, bool WS>
 __global__ void mla_decode_kernel(const __grid_constant__ Params p) {}
 
 #endif
 
-template <bool QF16, bool FP8>
+template <bool QF16, bool FP8, bool WS>
 int launch(const Params& p, int row_blocks, int programs, cudaStream_t stream) {
-  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_kernel<QF16, FP8>>(kSmem);
+  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_kernel<QF16, FP8, WS>>(kSmem);
   if (err != cudaSuccess) return static_cast<int>(err);
-  mla_decode_kernel<QF16, FP8><<<dim3(row_blocks, programs), kThreads, kSmem, stream>>>(p);
+  mla_decode_kernel<QF16, FP8, WS><<<dim3(row_blocks, programs), WS ? kThreadsWs : kThreads, kSmem, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -448,23 +539,29 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
   p.kv_scale = kv_scale;
   p.kv_scale_value = kv_scale_value;
   const int page = 1 << page_shift;
+  // FP8: one bulk copy a tile where a tile is 64 whole token rows of 576 bytes in one page (the one-tensor cache).
+  const bool bulk = tma && page >= fim::sm90_mla::kTile && p.ckv_t == 576 && p.kpe_t == 576 && p.kpe_p == p.ckv_p &&
+                    static_cast<const char*>(kpe) == static_cast<const char*>(ckv) + 512;
   if (fp8 && narrow && p.rows <= 32) {
-    // One bulk copy a tile where a tile is 64 whole token rows of 576 bytes in one page (the one-tensor cache).
-    p.tma = tma && page >= fim::sm90_mla::kTile && p.ckv_t == 576 && p.kpe_t == 576 && p.kpe_p == p.ckv_p &&
-            static_cast<const char*>(kpe) == static_cast<const char*>(ckv) + 512;
+    p.tma = bulk;
     return fim::sm90_mla::launch_narrow(p, fp16, programs, stream);
   }
   const int row_blocks = (p.rows + fim::sm90_mla::kRows - 1) / fim::sm90_mla::kRows;
   using fim::sm90_mla::launch;
+  if (fp8 && p.rows > fim::sm90_mla::kWsMinRows) {
+    p.tma = bulk;
+    return fp16 ? launch<true, true, true>(p, row_blocks, programs, stream)
+                : launch<false, true, true>(p, row_blocks, programs, stream);
+  }
   if (fp8) {
-    return fp16 ? launch<true, true>(p, row_blocks, programs, stream)
-                : launch<false, true>(p, row_blocks, programs, stream);
+    return fp16 ? launch<true, true, false>(p, row_blocks, programs, stream)
+                : launch<false, true, false>(p, row_blocks, programs, stream);
   }
   // The TMA path where its descriptors encode (else the cp.async copies, which take any layout).
   p.tma = tma && fim::sm90_mla::encode_pages(&p.map_ckv, ckv, 512, page, num_pages, p.ckv_p, p.ckv_t) &&
           fim::sm90_mla::encode_pages(&p.map_kpe, kpe, 64, page, num_pages, p.kpe_p, p.kpe_t);
-  return fp16 ? launch<true, false>(p, row_blocks, programs, stream)
-              : launch<false, false>(p, row_blocks, programs, stream);
+  return fp16 ? launch<true, false, false>(p, row_blocks, programs, stream)
+              : launch<false, false, false>(p, row_blocks, programs, stream);
 }
 
 }  // extern "C"

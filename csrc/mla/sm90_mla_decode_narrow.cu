@@ -20,8 +20,7 @@ namespace fim {
 namespace sm90_mla {
 namespace narrow {
 
-constexpr int kRaw = kTile * kChunks * 16 / 2;  // a tile's FP8 rows, [64][576] bytes
-constexpr int kRawBuffers = 3;                  // FP8 tiles in flight
+constexpr int kRawBuffers = 3;  // FP8 tiles in flight
 
 // Q [9 blocks][N rows][64 columns], the fp16 stage, the raw buffers, P^T [N rows][64 tokens], the maxima exchange
 // [2][4 warps][N], the sums [4][N], barriers; 1024 bytes of slack to align the base to an atom.
@@ -51,16 +50,6 @@ __device__ __forceinline__ void sts16(uint32_t addr, uint16_t v) {
 // instruction 512 contiguous bytes of one row; tokens from `hi` on read zeros.
 __device__ __forceinline__ void copy_raw(const Params& p, uint32_t raw, const Rows& rows, int warp, int lane) {
   copy_rows_fp8(p, raw - kFp8Off, rows, warp, lane);
-}
-
-// p.tma: the tile at token t0 is 64 whole rows of one page, 36864 contiguous bytes: one bulk copy, issued by one
-// thread and completing on `bar` (armed here). Rows past the sequence's end come as the page holds them; the
-// widening clears them.
-__device__ __forceinline__ void bulk_raw(const Params& p, const int32_t* bt_row, int t0, uint32_t raw, uint64_t* bar) {
-  const int64_t page = bt_row[t0 >> p.page_shift];
-  const int slot = t0 & ((1 << p.page_shift) - 1);
-  sm90_wgmma::bar_expect_tx(bar, kRaw);
-  sm90_wgmma::bulk_load(raw, static_cast<const char*>(p.ckv) + page * p.ckv_p + slot * p.ckv_t, kRaw, bar);
 }
 
 template <bool QF16, int N>
