@@ -145,6 +145,23 @@ __device__ __forceinline__ Piece piece_of(const Params& p, int b, int cursor, in
   return pc;
 }
 
+// A new piece: once every warpgroup is done with the last one (Q and both stages), the loading warpgroup issues
+// the piece's first two tiles and every thread its share of Q.
+template <typename T, bool FP8, int CTA>
+__device__ __forceinline__ void begin_piece(const Params& p, const Piece& pc, const int32_t* bt_row, uint32_t base,
+                                            uint64_t* full, uint64_t* qbar, uint32_t tiles_done, int b, int rb,
+                                            bool loads, bool tma, bool copier, int tid) {
+  asm volatile("bar.sync %0, %1;" ::"r"(kBarPiece), "n"(CTA) : "memory");
+  const int warp = (tid & 127) >> 5, lane = tid & 31;
+  for (int i = 0; loads && i < 2 && i < pc.ntiles; ++i) {
+    const uint32_t s = (tiles_done + i) & 1;
+    issue_tile<FP8>(p, bt_row, pc.tok_lo + i * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s], tma, copier, warp,
+                    lane);
+  }
+  copy_queries<T, kRows, CTA>(p, base, rb * kRows, b, tid);
+  cp_async_arrive(qbar);
+}
+
 // QF16: fp16 queries and output (else bf16). FP8: E4M3 pages, widened to fp16 in shared memory, the products in
 // fp16 (queries scaled into fp16 first). p.tma (not with FP8): the tiles by TMA, else by cp.async. WS: a third
 // warpgroup, the producer, makes the copies (and widens FP8 tiles, clears TMA tails), so that the consumers keep no
@@ -212,14 +229,7 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
       const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
       const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
       const bool partial = tma && pc.ntiles > 0 && pc.tail_valid < kTile;
-      asm volatile("bar.sync %0, %1;" ::"r"(kBarPiece), "n"(kCta) : "memory");  // the last piece is done
-      for (int i = 0; i < 2 && i < pc.ntiles; ++i) {
-        const uint32_t s = (tiles_done + i) & 1;
-        issue_tile<FP8>(p, bt_row, pc.tok_lo + i * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s], tma, copier,
-                        warp, lane);
-      }
-      copy_queries<T, kRows, kCta>(p, s_q, rb * kRows, b, tid);
-      cp_async_arrive(qbar);
+      begin_piece<T, FP8, kCta>(p, pc, bt_row, base, full, qbar, tiles_done, b, rb, true, tma, copier, tid);
       for (int i = -1; i < pc.ntiles; ++i) {
         const uint32_t g = tiles_done + i, s = g & 1;
         if (i + 1 < pc.ntiles)
@@ -254,16 +264,7 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
     const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
     const bool partial = tma && pc.ntiles > 0 && pc.tail_valid < kTile;
 
-    asm volatile("bar.sync %0, %1;" ::"r"(kBarPiece), "n"(kCta) : "memory");  // the last piece is done
-    if (!WS && wg == 1) {
-      for (int i = 0; i < 2 && i < pc.ntiles; ++i) {
-        const uint32_t s = (tiles_done + i) & 1;
-        issue_tile<FP8>(p, bt_row, pc.tok_lo + i * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s], tma, copier,
-                        warp, lane);
-      }
-    }
-    copy_queries<T, kRows, kCta>(p, s_q, rb * kRows, b, tid);
-    cp_async_arrive(qbar);
+    begin_piece<T, FP8, kCta>(p, pc, bt_row, base, full, qbar, tiles_done, b, rb, !WS && wg == 1, tma, copier, tid);
 
     // Rows see tokens below vis (the causal diagonal among the new tokens, and the piece's end).
     int vis0 = 0, vis1 = 0;
