@@ -38,11 +38,12 @@ constexpr int kOffBar = kOffL + 256;
 constexpr int kSmem = kOffBar + 64 + 1024;
 
 // The producer warpgroup for FP8 pages of more than kWsMinRows rows (on an H100, docs/perf.md: 1.28-1.43x faster
-// at page 64 with its bulk copies, 1.06-1.17x at page 1 from 128 rows; for bf16 pages it measured no faster).
+// at page 64 with its bulk copies, 1.12-1.18x at page 1 from 128 rows; for bf16 pages it measured no faster).
 constexpr int kThreadsWs = 384, kWsMinRows = 32;
 // A CTA of 384 threads starts with 168 registers a thread and may hold no more in all (setmaxnreg.inc spins for
 // ever past that); ptxas spills below these.
 constexpr int kRegsProducer = 120, kRegsConsumer = 192;
+static_assert(kRegsProducer * 128 + kRegsConsumer * 256 <= 168 * kThreadsWs, "past the CTA's registers at launch");
 
 // Named barriers (0 is __syncthreads'): P written (wg 0 -> wg 1), P read (wg 1 -> wg 0), the consumers' epilogue,
 // a new piece (all warpgroups), within the widening warpgroup (FP8), within warpgroup 0 (Q scaling).
