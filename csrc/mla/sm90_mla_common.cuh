@@ -50,8 +50,8 @@ struct Params {
   int64_t o_b, o_s, o_h;
   int64_t l_b, l_s, l_h;
   int batch, rows, heads, s_q, page_shift, max_tokens, causal;
-  int tma;                // the 64-row kernel: tiles by TMA (map_ckv, map_kpe); the narrow one: a tile by one bulk copy
-  float qk_scale;         // sm_scale * log2(e)
+  int tma;         // bf16/fp16: tiles by TMA (map_ckv, map_kpe); FP8 (narrow kernel, producer): a tile by one bulk copy
+  float qk_scale;  // sm_scale * log2(e)
   const float* kv_scale;  // FP8 pages: the dequantization factor on the device, or null for kv_scale_value
   float kv_scale_value;
 };

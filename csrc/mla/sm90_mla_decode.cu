@@ -164,9 +164,10 @@ __device__ __forceinline__ void begin_piece(const Params& p, const Piece& pc, co
 }
 
 // QF16: fp16 queries and output (else bf16). FP8: E4M3 pages, widened to fp16 in shared memory, the products in
-// fp16 (queries scaled into fp16 first). p.tma (not with FP8): the tiles by TMA, else by cp.async. WS: a third
-// warpgroup, the producer, makes the copies (and widens FP8 tiles, clears TMA tails), so that the consumers keep no
-// copy or conversion instruction on their chain; else consumer 1 does that work between its products.
+// fp16 (queries scaled into fp16 first). p.tma: the tiles by TMA boxes (bf16/fp16) or bulk copies (FP8 with WS),
+// else by cp.async. WS: a third warpgroup, the producer, makes the copies (and widens FP8 tiles, clears TMA tails), so
+// that the consumers keep no copy or conversion instruction on their chain; else consumer 1 does that work between its
+// products.
 template <bool QF16, bool FP8, bool WS>
 __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
   constexpr bool F16 = QF16 || FP8;  // the products' input type
@@ -241,9 +242,7 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
                           copier, warp, lane);
         }
       }
-      tiles_done += pc.ntiles;
-      tails += partial;
-      ++pieces;
+      tiles_done += pc.ntiles;  // (consumer 0 alone counts pieces and tails for its waits)
       cursor = pc.piece_end;
       ++b;
     }
