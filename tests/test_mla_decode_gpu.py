@@ -54,17 +54,12 @@ def test_full_mix_every_page_size(rng, monkeypatch, page, s_q, backend):
     )
 
 
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("page", D.PAGE_SIZES)
-def test_tma_tiles_equal_cp_async_tiles(rng, monkeypatch, page, split):
-    """The 64-row kernel's tiles by TMA (at every page size here; by default from TMA_MIN_PAGE on) and by cp.async
-    token rows fill the same images, so the outputs are bit-equal; both against float64 on the full length mix
-    (rows past each sequence's end poisoned with NaN), 64 heads x 2 new tokens, one- and two-tensor caches."""
-    seed, g = rng
-    case = make_case(g, MIX, 2, 64, page, torch.bfloat16, torch.bfloat16, split=split, device=DEV)
+def _assert_tma_equals_cp_async(monkeypatch, case, seed) -> None:
+    """Decodes ``case`` with the tiles by TMA / bulk copies wherever the kernel can take them (``TMA_MIN_PAGE`` 1) and
+    by cp.async token rows (0): the first against float64, the two bit-equal."""
     _backend(monkeypatch, "auto", case)
     got = {}
-    for tma in (True, False):  # TMA at every page size, or never
+    for tma in (True, False):
         monkeypatch.setattr(decode_sm90, "TMA_MIN_PAGE", 1 if tma else 0)
         got[tma] = run_decode(case, SM_SCALE, num_sms=None)
     assert_close(
@@ -73,27 +68,30 @@ def test_tma_tiles_equal_cp_async_tiles(rng, monkeypatch, page, split):
     assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1]), f"seed {seed}"
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("page", D.PAGE_SIZES)
+def test_tma_tiles_equal_cp_async_tiles(rng, monkeypatch, page, split):
+    """The 64-row kernel's tiles by TMA (at every page size here; by default from TMA_MIN_PAGE on) and by cp.async
+    token rows fill the same images, so the outputs are bit-equal; both against float64 on the full length mix
+    (rows past each sequence's end poisoned with NaN), 64 heads x 2 new tokens, one- and two-tensor caches."""
+    seed, g = rng
+    case = make_case(g, MIX, 2, 64, page, torch.bfloat16, torch.bfloat16, split=split, device=DEV)
+    _assert_tma_equals_cp_async(monkeypatch, case, seed)
+
+
 @pytest.mark.parametrize("page", [64, 128])
 @pytest.mark.parametrize("heads, s_q", [(128, 1), (33, 3)])
 def test_fp8_bulk_tiles_equal_cp_async_tiles(rng, monkeypatch, page, heads, s_q):
-    """FP8 pages of more than 64 rows (the 64-row kernel with its producer warpgroup): a tile of the one-tensor cache
+    """FP8 pages of more than 32 rows (the 64-row kernel with its producer warpgroup): a tile of the one-tensor cache
     as one bulk copy, its rows past the sequence's end (NaN in the poisoned pool) cleared while widening, against
     the cp.async token rows: bit-equal, and against float64."""
     seed, g = rng
     case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, FP8, device=DEV)
-    _backend(monkeypatch, "auto", case)
-    got = {}
-    for bulk in (True, False):
-        monkeypatch.setattr(decode_sm90, "TMA_MIN_PAGE", 1 if bulk else 0)
-        got[bulk] = run_decode(case, SM_SCALE, num_sms=None)
-    assert_close(
-        *got[True], *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"seed {seed}", lse_tol=lse_tol(case)
-    )
-    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1]), f"seed {seed}"
+    _assert_tma_equals_cp_async(monkeypatch, case, seed)
 
 
-# Rows (heads x s_q) across the kernels' bounds: FP8 up to 32 rows on the narrow kernel, up to 64 on the 64-row one
-# with two warpgroups, beyond that with the producer warpgroup (99: a partial second row block).
+# Rows (heads x s_q) across the kernels' bounds: FP8 up to 32 rows on the narrow kernel, more on the 64-row one with
+# its producer warpgroup (64: one full row block, 99: a partial second one); bf16 on the 64-row one throughout.
 @pytest.mark.parametrize("heads, s_q", [(128, 1), (128, 2), (64, 2), (32, 2), (33, 3), (32, 1), (16, 8), (3, 5)])
 @pytest.mark.parametrize("cache", ["bf16", "fp8", "fp8-bf16rope"])
 @pytest.mark.parametrize("page", [1, 64])
