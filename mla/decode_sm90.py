@@ -5,7 +5,7 @@ the queries scaled into fp16). Two kernels:
 
 - ``csrc/mla/sm90_mla_decode.cu``: 64 (new token, head) rows per CTA, two warpgroups sharing the 512 output
   columns; bf16/fp16 pages, and FP8 pages of more than ``NARROW_MAX_ROWS`` rows (these with a third warpgroup that
-  copies and widens the tiles, and one bulk copy a tile for the one-tensor cache from ``TMA_MIN_PAGE`` on).
+  copies and widens the tiles, and bulk copies for the one-tensor cache from ``BULK_MIN_PAGE`` on).
 - ``csrc/mla/sm90_mla_decode_narrow.cu``: FP8 pages of up to ``NARROW_MAX_ROWS`` rows (16 heads and one or two new
   tokens, say), the products transposed so that the rows are wgmma's N side (16 or 32) instead of 64 rows of
   which most would be padding.
@@ -44,11 +44,13 @@ BLOCK_M = 64  # rows per CTA of the 64-row kernel; the plan's row blocks for bot
 NARROW_MAX_ROWS = 32
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 # Pages of at least this many tokens: the 64-row kernel's bf16/fp16 tiles by TMA (9 boxes a tile at page 64, issued
-# by one warp) instead of cp.async token rows, and FP8 tiles of the one-tensor cache by one bulk copy each (both
-# kernels, pages of 64 tokens and more); 0 keeps cp.async everywhere. The 64-row kernel takes TMA tiles at any page
+# by one warp) instead of cp.async token rows; 0 keeps cp.async. The 64-row kernel takes TMA tiles at any page
 # size (a box per page and column block, so 576 a tile at page 1); on an H100 (docs/perf.md) they were 1.04-1.15x
 # faster at page 64 with 128 (new token, head) rows and more, no faster at page 16 and about 5x slower at page 1.
 TMA_MIN_PAGE = 64
+# FP8 pages of the one-tensor cache of at least this many tokens: tiles by bulk copies (both kernels; one a tile at
+# page 64 and up, one a page below), else cp.async token rows; 0 keeps cp.async.
+BULK_MIN_PAGE = 16
 LOG2E = 1.4426950408889634
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -122,7 +124,7 @@ def launch(q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_
         1.0 if kv_scale is None or isinstance(kv_scale, torch.Tensor) else float(kv_scale),
         int(ckv.dtype == FP8 and s_q * heads <= NARROW_MAX_ROWS),
         ckv.shape[0],
-        int(0 < TMA_MIN_PAGE <= page),
+        int(0 < (BULK_MIN_PAGE if ckv.dtype == FP8 else TMA_MIN_PAGE) <= page),
         num_programs,
         stream_of(q_nope),
     )

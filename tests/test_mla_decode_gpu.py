@@ -55,12 +55,13 @@ def test_full_mix_every_page_size(rng, monkeypatch, page, s_q, backend):
 
 
 def _assert_tma_equals_cp_async(monkeypatch, case, seed) -> None:
-    """Decodes ``case`` with the tiles by TMA / bulk copies wherever the kernel can take them (``TMA_MIN_PAGE`` 1) and
-    by cp.async token rows (0): the first against float64, the two bit-equal."""
+    """Decodes ``case`` with the tiles by TMA / bulk copies wherever the kernels can take them (``TMA_MIN_PAGE`` and
+    ``BULK_MIN_PAGE`` 1) and by cp.async token rows (0): the first against float64, the two bit-equal."""
     _backend(monkeypatch, "auto", case)
     got = {}
     for tma in (True, False):
         monkeypatch.setattr(decode_sm90, "TMA_MIN_PAGE", 1 if tma else 0)
+        monkeypatch.setattr(decode_sm90, "BULK_MIN_PAGE", 1 if tma else 0)
         got[tma] = run_decode(case, SM_SCALE, num_sms=None)
     assert_close(
         *got[True], *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"seed {seed}", lse_tol=lse_tol(case)
@@ -79,12 +80,13 @@ def test_tma_tiles_equal_cp_async_tiles(rng, monkeypatch, page, split):
     _assert_tma_equals_cp_async(monkeypatch, case, seed)
 
 
-@pytest.mark.parametrize("page", [64, 128])
-@pytest.mark.parametrize("heads, s_q", [(128, 1), (33, 3)])
+@pytest.mark.parametrize("page", D.PAGE_SIZES)
+@pytest.mark.parametrize("heads, s_q", [(128, 1), (33, 3), (16, 1)])
 def test_fp8_bulk_tiles_equal_cp_async_tiles(rng, monkeypatch, page, heads, s_q):
-    """FP8 pages of more than 32 rows (the 64-row kernel with its producer warpgroup): a tile of the one-tensor cache
-    as one bulk copy, its rows past the sequence's end (NaN in the poisoned pool) cleared while widening, against
-    the cp.async token rows: bit-equal, and against float64."""
+    """FP8 pages of the one-tensor cache, on the 64-row kernel with its producer warpgroup (more than 32 rows) and on
+    the narrow kernel (16 rows): a tile by bulk copies (one at pages of 64 tokens and up, one a page below), its
+    rows past the sequence's end (NaN in the poisoned pool, or not copied) cleared while widening, against the
+    cp.async token rows: bit-equal, and against float64."""
     seed, g = rng
     case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, FP8, device=DEV)
     _assert_tma_equals_cp_async(monkeypatch, case, seed)

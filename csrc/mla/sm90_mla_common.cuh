@@ -50,8 +50,8 @@ struct Params {
   int64_t o_b, o_s, o_h;
   int64_t l_b, l_s, l_h;
   int batch, rows, heads, s_q, page_shift, max_tokens, causal;
-  int tma;         // bf16/fp16: tiles by TMA (map_ckv, map_kpe); FP8 (narrow kernel, producer): a tile by one bulk copy
-  float qk_scale;  // sm_scale * log2(e)
+  int tma;                // bf16/fp16: tiles by TMA (map_ckv, map_kpe); FP8 (narrow kernel, producer): by bulk copies
+  float qk_scale;         // sm_scale * log2(e)
   const float* kv_scale;  // FP8 pages: the dequantization factor on the device, or null for kv_scale_value
   float kv_scale_value;
 };
@@ -193,6 +193,26 @@ __device__ __forceinline__ void bulk_raw(const Params& p, const int32_t* bt_row,
   const int slot = t0 & ((1 << p.page_shift) - 1);
   sm90_wgmma::bar_expect_tx(bar, kRaw);
   sm90_wgmma::bulk_load(raw, static_cast<const char*>(p.ckv) + page * p.ckv_p + slot * p.ckv_t, kRaw, bar);
+}
+
+// Any page size, by the 32 lanes of one warp: below page 64, one bulk copy per page of the tile that holds tokens
+// below `hi` (page * 576 contiguous bytes; two a lane at most), into the same plain [64 rows][576 bytes]; rows not
+// copied are cleared by the widening. A copy costs its thread one instruction where cp.async token rows cost the
+// warpgroup 36 a row.
+__device__ __forceinline__ void bulk_pages(const Params& p, const int32_t* bt_row, int t0, int hi, uint32_t raw,
+                                           uint64_t* bar, int lane) {
+  const int page = 1 << p.page_shift;
+  if (page >= kTile) {
+    if (lane == 0) bulk_raw(p, bt_row, t0, raw, bar);
+    return;
+  }
+  const int copies = min((max(hi - t0, 0) + page - 1) / page, kTile / page), bytes = page * kChunks * 8;
+  if (lane == 0) sm90_wgmma::bar_expect_tx(bar, copies * bytes);
+  __syncwarp();
+  for (int k = lane; k < copies; k += 32) {
+    const int64_t pg = bt_row[(t0 >> p.page_shift) + k];
+    sm90_wgmma::bulk_load(raw + k * bytes, static_cast<const char*>(p.ckv) + pg * p.ckv_p, bytes, bar);
+  }
 }
 
 // Eight E4M3 values (8 bytes) to eight fp16 ones (exact), as four 32-bit words.

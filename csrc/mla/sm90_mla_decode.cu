@@ -11,8 +11,8 @@
 // issues. Who loads:
 // - bf16/fp16 pages, and FP8 pages of up to kWsMinRows rows: consumer 1, between its products;
 // - FP8 pages of more rows: a third warpgroup, the producer (few registers), which also widens the FP8 tiles, so
-//   that neither consumer has a copy or conversion on its chain; a tile of the one-tensor cache at pages of 64
-//   tokens and more comes as one bulk copy.
+//   that neither consumer has a copy or conversion on its chain; a tile of the one-tensor cache comes as bulk
+//   copies where the host asks for them (one at pages of 64 tokens and more, else one a page: PAGED).
 //
 // Shared memory (128-byte swizzled, 8-row atoms of 1024 bytes): Q and each stage as [9 column blocks][64 rows]
 // [64 columns]; P as [64 rows][64 tokens]. The schedule (which pieces of which sequences a CTA walks) is the one
@@ -82,14 +82,18 @@ __device__ __forceinline__ void widen_tile(uint32_t stage, int t, int valid) {
   }
 }
 
-// The loading warpgroup: a tile into its stage, by TMA boxes (bf16/fp16) or one bulk copy (FP8), issued by one
-// warp, or by cp.async token rows (the whole warpgroup).
-template <bool FP8>
+// The loading warpgroup: a tile into its stage, by TMA boxes (bf16/fp16) or bulk copies (FP8: one a tile, or with
+// PAGED one a page, for pages below 64 tokens), issued by one warp, or by cp.async token rows (the whole warpgroup).
+template <bool FP8, bool PAGED>
 __device__ __forceinline__ void issue_tile(const Params& p, const int32_t* bt_row, int t0, int hi, uint32_t stage,
                                            uint64_t* bar, bool tma, bool copier, int warp, int lane) {
   if (tma) {
     if constexpr (FP8) {
-      if (copier && lane == 0) bulk_raw(p, bt_row, t0, stage + kFp8Off, bar);
+      if constexpr (PAGED) {
+        if (copier) bulk_pages(p, bt_row, t0, hi, stage + kFp8Off, bar, lane);
+      } else if (copier && lane == 0) {
+        bulk_raw(p, bt_row, t0, stage + kFp8Off, bar);
+      }
     } else if (copier) {
       tma_tile(p, bt_row, t0, hi, stage, bar, lane);
     }
@@ -148,7 +152,7 @@ __device__ __forceinline__ Piece piece_of(const Params& p, int b, int cursor, in
 
 // A new piece: once every warpgroup is done with the last one (Q and both stages), the loading warpgroup issues
 // the piece's first two tiles and every thread its share of Q.
-template <typename T, bool FP8, int CTA>
+template <typename T, bool FP8, bool PAGED, int CTA>
 __device__ __forceinline__ void begin_piece(const Params& p, const Piece& pc, const int32_t* bt_row, uint32_t base,
                                             uint64_t* full, uint64_t* qbar, uint32_t tiles_done, int b, int rb,
                                             bool loads, bool tma, bool copier, int tid) {
@@ -156,8 +160,8 @@ __device__ __forceinline__ void begin_piece(const Params& p, const Piece& pc, co
   const int warp = (tid & 127) >> 5, lane = tid & 31;
   for (int i = 0; loads && i < 2 && i < pc.ntiles; ++i) {
     const uint32_t s = (tiles_done + i) & 1;
-    issue_tile<FP8>(p, bt_row, pc.tok_lo + i * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s], tma, copier, warp,
-                    lane);
+    issue_tile<FP8, PAGED>(p, bt_row, pc.tok_lo + i * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s], tma, copier,
+                           warp, lane);
   }
   copy_queries<T, kRows, CTA>(p, base, rb * kRows, b, tid);
   cp_async_arrive(qbar);
@@ -167,8 +171,8 @@ __device__ __forceinline__ void begin_piece(const Params& p, const Piece& pc, co
 // fp16 (queries scaled into fp16 first). p.tma: the tiles by TMA boxes (bf16/fp16) or bulk copies (FP8 with WS),
 // else by cp.async. WS: a third warpgroup, the producer, makes the copies (and widens FP8 tiles, clears TMA tails), so
 // that the consumers keep no copy or conversion instruction on their chain; else consumer 1 does that work between its
-// products.
-template <bool QF16, bool FP8, bool WS>
+// products. PAGED (FP8 with WS, pages below 64 tokens): the bulk copies one a page.
+template <bool QF16, bool FP8, bool WS, bool PAGED>
 __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
   constexpr bool F16 = QF16 || FP8;  // the products' input type
   constexpr int kCta = WS ? kThreadsWs : kThreads;
@@ -231,15 +235,15 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
       const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
       const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
       const bool partial = tma && pc.ntiles > 0 && pc.tail_valid < kTile;
-      begin_piece<T, FP8, kCta>(p, pc, bt_row, base, full, qbar, tiles_done, b, rb, true, tma, copier, tid);
+      begin_piece<T, FP8, PAGED, kCta>(p, pc, bt_row, base, full, qbar, tiles_done, b, rb, true, tma, copier, tid);
       for (int i = -1; i < pc.ntiles; ++i) {
         const uint32_t g = tiles_done + i, s = g & 1;
         if (i + 1 < pc.ntiles)
           prepare_tile<FP8, WS>(base, full, ready, tail, g + 1, partial && i + 2 == pc.ntiles, pc.tail_valid, t);
         if (i >= 0 && i + 2 < pc.ntiles) {
           bar_wait(&empty[s], (g >> 1) & 1);
-          issue_tile<FP8>(p, bt_row, pc.tok_lo + (i + 2) * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s], tma,
-                          copier, warp, lane);
+          issue_tile<FP8, PAGED>(p, bt_row, pc.tok_lo + (i + 2) * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s],
+                                 tma, copier, warp, lane);
         }
       }
       tiles_done += pc.ntiles;  // (consumer 0 alone counts pieces and tails for its waits)
@@ -264,7 +268,8 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
     const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
     const bool partial = tma && pc.ntiles > 0 && pc.tail_valid < kTile;
 
-    begin_piece<T, FP8, kCta>(p, pc, bt_row, base, full, qbar, tiles_done, b, rb, !WS && wg == 1, tma, copier, tid);
+    begin_piece<T, FP8, PAGED, kCta>(p, pc, bt_row, base, full, qbar, tiles_done, b, rb, !WS && wg == 1, tma, copier,
+                                     tid);
 
     // Rows see tokens below vis (the causal diagonal among the new tokens, and the piece's end).
     int vis0 = 0, vis1 = 0;
@@ -415,8 +420,8 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
         named_arrive(kBarPFree);
         if constexpr (!WS) {
           if (i + 2 < pc.ntiles)
-            issue_tile<FP8>(p, bt_row, pc.tok_lo + (i + 2) * kTile, pc.tok_hi, stage, &full[s], tma, copier, warp,
-                            lane);
+            issue_tile<FP8, PAGED>(p, bt_row, pc.tok_lo + (i + 2) * kTile, pc.tok_hi, stage, &full[s], tma, copier,
+                                   warp, lane);
           if (i + 1 < pc.ntiles)
             prepare_tile<FP8, WS>(base, full, ready, tail, g + 1, partial && i + 2 == pc.ntiles, pc.tail_valid, t);
         }
@@ -470,16 +475,16 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
 
 #else
 
-template <bool QF16, bool FP8, bool WS>
+template <bool QF16, bool FP8, bool WS, bool PAGED>
 __global__ void mla_decode_kernel(const __grid_constant__ Params p) {}
 
 #endif
 
-template <bool QF16, bool FP8, bool WS>
+template <bool QF16, bool FP8, bool WS, bool PAGED = false>
 int launch(const Params& p, int row_blocks, int programs, cudaStream_t stream) {
-  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_kernel<QF16, FP8, WS>>(kSmem);
+  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_kernel<QF16, FP8, WS, PAGED>>(kSmem);
   if (err != cudaSuccess) return static_cast<int>(err);
-  mla_decode_kernel<QF16, FP8, WS><<<dim3(row_blocks, programs), WS ? kThreadsWs : kThreads, kSmem, stream>>>(p);
+  mla_decode_kernel<QF16, FP8, WS, PAGED><<<dim3(row_blocks, programs), WS ? kThreadsWs : kThreads, kSmem, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -540,17 +545,27 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
   p.kv_scale = kv_scale;
   p.kv_scale_value = kv_scale_value;
   const int page = 1 << page_shift;
-  // FP8: one bulk copy a tile where a tile is 64 whole token rows of 576 bytes in one page (the one-tensor cache).
-  const bool bulk = tma && page >= fim::sm90_mla::kTile && p.ckv_t == 576 && p.kpe_t == 576 && p.kpe_p == p.ckv_p &&
+  // FP8: bulk copies where a page is whole token rows of 576 contiguous bytes (the one-tensor cache), 16-byte
+  // aligned as bulk copies need.
+  const bool bulk = tma && p.ckv_t == 576 && p.kpe_t == 576 && p.kpe_p == p.ckv_p && p.ckv_p % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(ckv) % 16 == 0 &&
                     static_cast<const char*>(kpe) == static_cast<const char*>(ckv) + 512;
   if (fp8 && narrow && p.rows <= 32) {
-    p.tma = bulk;
+    // One bulk copy a tile, so pages of 64 tokens and more: a copy a page below that measured 0.97-1.08x its
+    // token rows at page 16 (16-32 rows, an H100) and made ptxas spill.
+    p.tma = bulk && page >= fim::sm90_mla::kTile;
     return fim::sm90_mla::launch_narrow(p, fp16, programs, stream);
   }
   const int row_blocks = (p.rows + fim::sm90_mla::kRows - 1) / fim::sm90_mla::kRows;
   using fim::sm90_mla::launch;
   if (fp8 && p.rows > fim::sm90_mla::kWsMinRows) {
     p.tma = bulk;
+    // Pages below 64 tokens: a bulk copy per page, in their own instance (the per-page loop, compiled into the
+    // one-copy instance, cost it 2-3% on an H100).
+    if (bulk && page < fim::sm90_mla::kTile) {
+      return fp16 ? launch<true, true, true, true>(p, row_blocks, programs, stream)
+                  : launch<false, true, true, true>(p, row_blocks, programs, stream);
+    }
     return fp16 ? launch<true, true, true>(p, row_blocks, programs, stream)
                 : launch<false, true, true>(p, row_blocks, programs, stream);
   }
