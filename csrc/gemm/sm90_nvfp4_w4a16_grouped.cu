@@ -159,15 +159,16 @@ __device__ __forceinline__ float gated(float gate, float up, int act, float alph
 // T: tokens per tile (wgmma's N); GATED: warpgroup 0 holds 64 gate rows and warpgroup 1 their 64 up rows;
 // STAGES: shared-memory stages, each the activations, weights and scales of 256 K; SPLIT: split-bits weights.
 template <int T, bool GATED, int STAGES, bool SPLIT>
-__global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kThreads, T == 64 ? 1 : 2) nvfp4_grouped_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int R = T / 2;  // accumulator floats per thread
   constexpr float kScaleFactor = SPLIT ? 0x1p118f : 1.0f, kUnscale = SPLIT ? 256.0f : 1.0f;
   // Fragment buffers: with two, a span's expansion runs while the previous span's wgmma group is in flight
-  // (ptxas would otherwise give every span's fragments the same registers, see the span loop). Only for 8-token
-  // tiles without the activation: elsewhere the extra 16 registers per thread, at the 128 that two CTAs per SM
-  // allow, measured slower (the gated 8-token tile 266 against 236 us, docs/perf.md).
-  constexpr int kBufs = (T == 8 && !GATED) ? 2 : 1;
+  // (ptxas would otherwise give every span's fragments the same registers, see the span loop). For 8-token tiles
+  // without the activation, and the 64-token tile (one CTA per SM, so up to 255 registers: 2-9% faster at 64 rows
+  // per expert on an H100); elsewhere the extra 16 registers per thread, at the 128 that two CTAs per SM allow,
+  // measured slower (the gated 8-token tile 266 against 236 us, docs/perf.md).
+  constexpr int kBufs = ((T == 8 && !GATED) || T == 64) ? 2 : 1;
   constexpr int kXBytes = T * kStageK * 2;
   constexpr int kStageBytes = kXBytes + kWStageBytes + kSStageBytes;
   extern __shared__ uint8_t smem_raw[];
@@ -417,11 +418,12 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_grouped_kernel(const __grid
 }
 
 // Stages: as many as fit beside another resident CTA (two per SM; three measured slower: the grids of decode shapes
-// fall into fewer, less full waves), at least 3.
+// fall into fewer, less full waves), at least 3; the 64-token tile, whose stages never let two CTAs fit, takes
+// the SM's shared memory alone (four stages).
 template <int T>
 constexpr int stages_for() {
   constexpr int bytes = T * kStageK * 2 + kWStageBytes + kSStageBytes;
-  constexpr int fit = (110 * 1024 - kPairBytes) / bytes;
+  constexpr int fit = ((T == 64 ? 226 : 110) * 1024 - kPairBytes) / bytes;
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
 }
 
