@@ -20,12 +20,13 @@
 // (moe/packed_nvfp4.py) skip the lookup: shifts and masks put each word's bits straight into bf16 pairs that
 // read as the values times 2**-126, the factors carry 2**118 and the global scale 2**8 (expand4_split).
 //
-// Structure: two warpgroups per CTA, 64 weight rows each (with an activation: warpgroup 0 the 64 gate rows,
-// warpgroup 1 their 64 up rows, the up accumulators passed to warpgroup 0 through shared memory at the end), one
-// CTA per (column block, expert), looping over the group's token tiles (one at decode). A ring of
-// shared-memory stages, each 256 K of the activations (wgmma's B operand: 128-byte swizzled rows), the 128
-// weight rows and their block scales, is filled with cp.async by the whole CTA. The integer pipe (the lookups,
-// masks and shifts: about 2 instructions per weight) is what sets the time; docs/perf.md has the profile.
+// Structure: two warpgroups per CTA (four for 64-token tiles), 64 weight rows each (with an activation: the first
+// half of the warpgroups the gate rows, the second half their up rows, the up accumulators passed to the gate
+// warpgroups through shared memory at the end), one CTA per (column block, expert), looping over the group's token
+// tiles (one at decode). A ring of shared-memory stages, each 256 K of the activations (wgmma's B operand: 128-byte
+// swizzled rows), the CTA's weight rows and their block scales, is filled with cp.async by the whole CTA. At 8-16
+// tokens the integer pipe (the expansion's masks and shifts) and the weight stream set the time; at 64 tokens,
+// latency (docs/perf.md has the profiles).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -40,12 +41,19 @@
 namespace fim {
 namespace sm90_nvfp4 {
 
-constexpr int kThreads = 256;
 constexpr int kStageK = 256;  // K of one activation stage (four 64-deep spans)
 [[maybe_unused]] constexpr int kSpansPerStage = kStageK / 64;
-constexpr int kWStageBytes = 128 * kStageK / 2;     // 128 weight rows
-constexpr int kSStageBytes = 128 * kStageK / 16;    // their block scales
-constexpr int kPairBytes = 128 * kStageK / 16 * 4;  // a stage's scales as duplicated bf16 pairs (scale_pairs)
+// Per CTA of W warpgroups (64 weight rows each): a stage's weight bytes, their block scales, and those scales as
+// duplicated bf16 pairs (scale_pairs).
+__host__ __device__ constexpr int w_stage_bytes(int w) { return 64 * w * kStageK / 2; }
+__host__ __device__ constexpr int s_stage_bytes(int w) { return 64 * w * kStageK / 16; }
+__host__ __device__ constexpr int pair_bytes(int w) { return 64 * w * kStageK / 16 * 4; }
+// Warpgroups per CTA for T-token tiles: 4 for the 64-token tile, whose stages take the SM's shared memory alone
+// (16 warps to hide its latencies instead of 8, and each activation stage read for 256 weight rows, not 128), else 2.
+template <int T>
+constexpr int warpgroups_for() {
+  return T == 64 ? 4 : 2;
+}
 
 // The expansion's byte tables (bf16 low and high bytes of the E2M1 magnitudes), see expand4.
 [[maybe_unused]] __device__ const uint32_t kTables[4] = {0xC0800000u, 0xC0804000u, 0x3F3F3F00u, 0x40404040u};
@@ -156,19 +164,22 @@ __device__ __forceinline__ float gated(float gate, float up, int act, float alph
 
 #endif
 
-// T: tokens per tile (wgmma's N); GATED: warpgroup 0 holds 64 gate rows and warpgroup 1 their 64 up rows;
-// STAGES: shared-memory stages, each the activations, weights and scales of 256 K; SPLIT: split-bits weights.
-template <int T, bool GATED, int STAGES, bool SPLIT>
-__global__ void __launch_bounds__(kThreads, T == 64 ? 1 : 2) nvfp4_grouped_kernel(const __grid_constant__ Params p) {
+// T: tokens per tile (wgmma's N); W: warpgroups (64 weight rows each; GATED: the first W / 2 hold gate rows, the
+// others their up rows, in the same order); STAGES: shared-memory stages, each the activations, weights and scales
+// of 256 K; SPLIT: split-bits weights.
+template <int T, int W, bool GATED, int STAGES, bool SPLIT>
+__global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int R = T / 2;  // accumulator floats per thread
+  constexpr int kThreads = 128 * W, kRowsCta = 64 * W;
+  constexpr int kWStageBytes = w_stage_bytes(W), kSStageBytes = s_stage_bytes(W);
+  constexpr int kCols = GATED ? kRowsCta / 2 : kRowsCta;  // output columns per CTA
+  constexpr int R = T / 2;                                // accumulator floats per thread
   constexpr float kScaleFactor = SPLIT ? 0x1p118f : 1.0f, kUnscale = SPLIT ? 256.0f : 1.0f;
   // Fragment buffers: with two, a span's expansion runs while the previous span's wgmma group is in flight
-  // (ptxas would otherwise give every span's fragments the same registers, see the span loop). For 8-token tiles
-  // without the activation, and the 64-token tile (one CTA per SM, so up to 255 registers: 2-9% faster at 64 rows
-  // per expert on an H100); elsewhere the extra 16 registers per thread, at the 128 that two CTAs per SM allow,
-  // measured slower (the gated 8-token tile 266 against 236 us, docs/perf.md).
-  constexpr int kBufs = ((T == 8 && !GATED) || T == 64) ? 2 : 1;
+  // (ptxas would otherwise give every span's fragments the same registers, see the span loop). Only for 8-token
+  // tiles without the activation: elsewhere the extra 16 registers per thread, at the 128 that two CTAs per SM (or
+  // 512 threads) allow, measured slower (the gated 8-token tile 266 against 236 us, docs/perf.md).
+  constexpr int kBufs = (T == 8 && !GATED) ? 2 : 1;
   constexpr int kXBytes = T * kStageK * 2;
   constexpr int kStageBytes = kXBytes + kWStageBytes + kSStageBytes;
   extern __shared__ uint8_t smem_raw[];
@@ -186,18 +197,19 @@ __global__ void __launch_bounds__(kThreads, T == 64 ? 1 : 2) nvfp4_grouped_kerne
   const int64_t first_row = p.offsets ? __ldg(p.offsets + e) : static_cast<int64_t>(e) * p.capacity;
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, q = lane & 3;
-  // Output columns [col0, col0 + 64) of this warpgroup (GATED: of the CTA, the up rows being n_out further).
-  const int col0 = GATED ? blockIdx.x * 64 : blockIdx.x * 128 + wg * 64;
+  // Output columns [col0, col0 + 64) of this warpgroup (GATED: those of its gate or up rows, the up rows being
+  // n_out further).
+  const int col0 = blockIdx.x * kCols + (GATED ? wg % (W / 2) : wg) * 64;
   const bool active = col0 < p.n_out;  // uniform per warpgroup
   const int half_k = p.k >> 1, groups = p.k >> 4, spans = p.k >> 6;
   const int stages = (p.k + kStageK - 1) / kStageK;
   const uint8_t* w_e = p.w + static_cast<int64_t>(e) * p.nw * half_k;
   const uint8_t* s_e = p.scale + static_cast<int64_t>(e) * p.nw * groups;
 
-  // The weight row of the CTA's local row lr (< 128), or -1 past the last output column.
+  // The weight row of the CTA's local row lr (< 64 W), or -1 past the last output column.
   auto weight_row = [&](int lr) {
-    const int col = (GATED ? col0 : blockIdx.x * 128) + (GATED ? (lr & 63) : lr);
-    return col < p.n_out ? col + (GATED && lr >= 64 ? p.n_out : 0) : -1;
+    const int col = blockIdx.x * kCols + (GATED ? (lr & (kCols - 1)) : lr);  // kCols: a power of two
+    return col < p.n_out ? col + (GATED && lr >= kCols ? p.n_out : 0) : -1;
   };
   // This thread's two local rows (wgmma's rows lane / 4 and lane / 4 + 8 of its warp's 16); both have the
   // same residue modulo 4, which the weight stage's swizzle uses.
@@ -208,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, T == 64 ? 1 : 2) nvfp4_grouped_kerne
   const uint32_t w_thread = kXBytes + lr0 * 128 + 8 * q;
   // This thread's converted scale pairs (row lr0 + 8 j is 512 bytes further), and the raw scales it converts
   // for its warpgroup each stage (row wg * 64 + t / 2, groups 8 (t % 2) ... + 7, t its index in the warpgroup).
-  const uint32_t pairs = base + STAGES * kStageBytes;
+  const uint32_t pairs = base + STAGES * kStageBytes;  // pair_bytes(W)
   const uint32_t s_thread = pairs + lr0 * 64;
   const int conv_row = wg * 64 + ((threadIdx.x & 127) >> 1), conv_half = threadIdx.x & 1;
   const uint32_t desc_lo0 = (base >> 4) | (1u << 16);
@@ -221,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, T == 64 ? 1 : 2) nvfp4_grouped_kerne
   // 128 rows x 4 copies of 4 bytes, a row's scales being only 4-byte aligned), advanced by one stage's bytes
   // per stage. Chunk c of weight row lr lands at c ^ 2 (lr % 4), so that a half-warp's four rows read four
   // different bank ranges.
-  constexpr int kWCopies = 128 * 8 / kThreads, kSCopies = 128 * 4 / kThreads, kXCopies = T * 32 / kThreads;
+  constexpr int kWCopies = kRowsCta * 8 / kThreads, kSCopies = kRowsCta * 4 / kThreads, kXCopies = T * 32 / kThreads;
   const uint8_t* w_src[kWCopies];
   uint32_t w_dst[kWCopies];
   int w_lim[kWCopies];  // bytes of the row past the copy's start in stage 0 (<= 0: no such row)
@@ -315,7 +327,11 @@ __global__ void __launch_bounds__(kThreads, T == 64 ? 1 : 2) nvfp4_grouped_kerne
         const uint32_t dst = pairs + conv_row * 64 + 32 * conv_half;
         sts128(dst, pr[0], pr[1], pr[2], pr[3]);
         sts128(dst + 16, pr[4], pr[5], pr[6], pr[7]);
-        warpgroup_sync(wg);
+        if constexpr (W == 2) {
+          warpgroup_sync(wg);
+        } else {
+          asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory");
+        }
       }
       const uint32_t desc_stage = desc_lo0 + ((st % STAGES) * kStageBytes >> 4);
 #pragma unroll
@@ -373,14 +389,15 @@ __global__ void __launch_bounds__(kThreads, T == 64 ? 1 : 2) nvfp4_grouped_kerne
 
     const float g0 = __ldg(p.gscale + e * p.gscale_stride) * kUnscale;
     if constexpr (GATED) {
-      // The up rows' accumulators go to warpgroup 0 through shared memory, [i][thread] (no bank conflicts).
-      const uint32_t xchg = base + 4 * (threadIdx.x & 127);
-      if (wg == 1 && active) {
+      // The up rows' accumulators go to their gate warpgroup through shared memory, [i][thread] (no bank conflicts).
+      const uint32_t xchg = base + (wg % (W / 2)) * (R * 512) + 4 * (threadIdx.x & 127);
+      const bool up_rows = W == 2 ? wg == 1 : wg >= W / 2;
+      if (up_rows && active) {
 #pragma unroll
         for (int i = 0; i < R; ++i) sts(xchg + 512 * i, __float_as_uint(acc[i]));
       }
       __syncthreads();
-      if (wg == 1 || !active) {
+      if (up_rows || !active) {
         __syncthreads();
         continue;
       }
@@ -418,23 +435,25 @@ __global__ void __launch_bounds__(kThreads, T == 64 ? 1 : 2) nvfp4_grouped_kerne
 }
 
 // Stages: as many as fit beside another resident CTA (two per SM; three measured slower: the grids of decode shapes
-// fall into fewer, less full waves), at least 3; the 64-token tile, whose stages never let two CTAs fit, takes
-// the SM's shared memory alone (four stages).
+// fall into fewer, less full waves), at least 3; the 64-token tile's CTA of four warpgroups takes the SM's shared
+// memory alone.
 template <int T>
 constexpr int stages_for() {
-  constexpr int bytes = T * kStageK * 2 + kWStageBytes + kSStageBytes;
-  constexpr int fit = ((T == 64 ? 226 : 110) * 1024 - kPairBytes) / bytes;
+  constexpr int W = warpgroups_for<T>();
+  constexpr int bytes = T * kStageK * 2 + w_stage_bytes(W) + s_stage_bytes(W);
+  constexpr int fit = ((W == 4 ? 226 : 110) * 1024 - pair_bytes(W)) / bytes;
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
 }
 
 template <int T, bool GATED, bool SPLIT>
 cudaError_t launch(const Params& p, int grid_rows, cudaStream_t stream) {
-  constexpr int kStages = stages_for<T>();
-  constexpr int kSmem = kStages * (T * kStageK * 2 + kWStageBytes + kSStageBytes) + kPairBytes + 1024;
-  cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, GATED, kStages, SPLIT>>(kSmem);
+  constexpr int W = warpgroups_for<T>(), kStages = stages_for<T>();
+  constexpr int kSmem = kStages * (T * kStageK * 2 + w_stage_bytes(W) + s_stage_bytes(W)) + pair_bytes(W) + 1024;
+  constexpr int kCols = GATED ? 32 * W : 64 * W;
+  cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, W, GATED, kStages, SPLIT>>(kSmem);
   if (err != cudaSuccess) return err;
-  const dim3 grid((p.n_out + (GATED ? 63 : 127)) / (GATED ? 64 : 128), grid_rows);
-  nvfp4_grouped_kernel<T, GATED, kStages, SPLIT><<<grid, kThreads, kSmem, stream>>>(p);
+  const dim3 grid((p.n_out + kCols - 1) / kCols, grid_rows);
+  nvfp4_grouped_kernel<T, W, GATED, kStages, SPLIT><<<grid, 128 * W, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
