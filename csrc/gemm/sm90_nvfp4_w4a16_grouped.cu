@@ -20,13 +20,13 @@
 // (moe/packed_nvfp4.py) skip the lookup: shifts and masks put each word's bits straight into bf16 pairs that
 // read as the values times 2**-126, the factors carry 2**118 and the global scale 2**8 (expand4_split).
 //
-// Structure: two warpgroups per CTA (four for 64-token tiles), 64 weight rows each (with an activation: the first
-// half of the warpgroups the gate rows, the second half their up rows, the up accumulators passed to the gate
-// warpgroups through shared memory at the end), one CTA per (column block, expert), looping over the group's token
-// tiles (one at decode). A ring of shared-memory stages, each 256 K of the activations (wgmma's B operand: 128-byte
-// swizzled rows), the CTA's weight rows and their block scales, is filled with cp.async by the whole CTA. At 8-16
-// tokens the integer pipe (the expansion's masks and shifts) and the weight stream set the time; at 64 tokens,
-// latency (docs/perf.md has the profiles).
+// Structure: two warpgroups per CTA (four for 64-token tiles without the activation), 64 weight rows each (with an
+// activation: the first half of the warpgroups the gate rows, the second half their up rows, the up accumulators passed
+// to the gate warpgroups through shared memory at the end), one CTA per (column block, expert), looping over the
+// group's token tiles (one at decode). A ring of shared-memory stages, each 256 K of the activations (wgmma's B
+// operand: 128-byte swizzled rows), the CTA's weight rows and their block scales, is filled with cp.async by the whole
+// CTA. At 8-16 tokens the integer pipe (the expansion's masks and shifts) and the weight stream set the time; at 64
+// tokens, latency (docs/perf.md has the profiles).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -48,11 +48,13 @@ constexpr int kStageK = 256;  // K of one activation stage (four 64-deep spans)
 __host__ __device__ constexpr int w_stage_bytes(int w) { return 64 * w * kStageK / 2; }
 __host__ __device__ constexpr int s_stage_bytes(int w) { return 64 * w * kStageK / 16; }
 __host__ __device__ constexpr int pair_bytes(int w) { return 64 * w * kStageK / 16 * 4; }
-// Warpgroups per CTA for T-token tiles: 4 for the 64-token tile, whose stages take the SM's shared memory alone
-// (16 warps to hide its latencies instead of 8, and each activation stage read for 256 weight rows, not 128), else 2.
-template <int T>
+// Warpgroups per CTA for T-token tiles: 4 for the 64-token tile without the activation, whose stages take the SM's
+// shared memory alone (16 warps to hide its latencies instead of 8, and each activation stage read for 256 weight
+// rows, not 128: measured 10% faster on an H100), else 2 (the gated 64-token tile with four, correct in the GPU
+// tests, has not been timed).
+template <int T, bool GATED>
 constexpr int warpgroups_for() {
-  return T == 64 ? 4 : 2;
+  return T == 64 && !GATED ? 4 : 2;
 }
 
 // The expansion's byte tables (bf16 low and high bytes of the E2M1 magnitudes), see expand4.
@@ -437,9 +439,9 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
 // Stages: as many as fit beside another resident CTA (two per SM; three measured slower: the grids of decode shapes
 // fall into fewer, less full waves), at least 3; the 64-token tile's CTA of four warpgroups takes the SM's shared
 // memory alone.
-template <int T>
+template <int T, bool GATED>
 constexpr int stages_for() {
-  constexpr int W = warpgroups_for<T>();
+  constexpr int W = warpgroups_for<T, GATED>();
   constexpr int bytes = T * kStageK * 2 + w_stage_bytes(W) + s_stage_bytes(W);
   constexpr int fit = ((W == 4 ? 226 : 110) * 1024 - pair_bytes(W)) / bytes;
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
@@ -447,7 +449,7 @@ constexpr int stages_for() {
 
 template <int T, bool GATED, bool SPLIT>
 cudaError_t launch(const Params& p, int grid_rows, cudaStream_t stream) {
-  constexpr int W = warpgroups_for<T>(), kStages = stages_for<T>();
+  constexpr int W = warpgroups_for<T, GATED>(), kStages = stages_for<T, GATED>();
   constexpr int kSmem = kStages * (T * kStageK * 2 + w_stage_bytes(W) + s_stage_bytes(W)) + pair_bytes(W) + 1024;
   constexpr int kCols = GATED ? 32 * W : 64 * W;
   cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, W, GATED, kStages, SPLIT>>(kSmem);
