@@ -182,8 +182,8 @@ def test_build_command_reports_progress_and_never_says_first_use(tmp_path, fake_
     # The progress interval shortened in the child: three translation units of one second each (in parallel).
     code = (
         "import sys\n"
-        "from flashinfer_moe.jit import core\n"
-        "core.PROGRESS_INTERVAL_S = 0.2\n"
+        "from flashinfer_moe.jit import runner\n"
+        "runner.PROGRESS_INTERVAL_S = 0.2\n"
         "from flashinfer_moe.cli import main\n"
         "sys.exit(main(['build', '--arch', '90a', '--kernel', 'permute', '--kernel', 'routing']))\n"
     )

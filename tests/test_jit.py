@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from flashinfer_moe.errors import JitError
-from flashinfer_moe.jit import core
+from flashinfer_moe.jit import core, runner
 
 PACKAGE_DIR = Path(core.__file__).resolve().parent.parent
 
@@ -581,7 +581,7 @@ def _jit_messages(caplog) -> list[str]:
 
 def test_slow_compile_prints_progress_with_elapsed_time_and_units_done(env, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="flashinfer_moe.jit")
-    monkeypatch.setattr(core, "PROGRESS_INTERVAL_S", 0.1)
+    monkeypatch.setattr(runner, "PROGRESS_INTERVAL_S", 0.1)
     monkeypatch.setattr(core.ctypes, "CDLL", lambda path: object())
     # a.cu is done at once, b.cu after 1.5 s, then the link takes 0.6 s.
     monkeypatch.setenv("FAKE_NVCC_SLEEP_b", "1.5")
@@ -602,7 +602,7 @@ def test_slow_compile_prints_progress_with_elapsed_time_and_units_done(env, monk
 
 def test_progress_of_a_single_unit_shows_the_elapsed_time(env, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="flashinfer_moe.jit")
-    monkeypatch.setattr(core, "PROGRESS_INTERVAL_S", 0.1)
+    monkeypatch.setattr(runner, "PROGRESS_INTERVAL_S", 0.1)
     monkeypatch.setenv("FAKE_NVCC_SLEEP", "0.5")
     core.build(dataclasses.replace(env.spec, sources=("k/a.cu",)), why="first use")
     messages = _jit_messages(caplog)
@@ -635,7 +635,7 @@ def test_first_use_is_said_only_by_the_call_that_compiles(env, monkeypatch, capl
 
 def test_waiting_for_another_process_reports_progress(env, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="flashinfer_moe.jit")
-    monkeypatch.setattr(core, "PROGRESS_INTERVAL_S", 0.1)
+    monkeypatch.setattr(runner, "PROGRESS_INTERVAL_S", 0.1)
     monkeypatch.setenv("FLASHINFER_MOE_JIT_LOCK_TIMEOUT_S", "0.8")
     lock = env.cache / "k" / f"{env.key()}.lock"
     lock.parent.mkdir(parents=True)
@@ -648,7 +648,7 @@ def test_waiting_for_another_process_reports_progress(env, monkeypatch, caplog):
 
 
 def test_interrupted_compile_stops_ninja_and_leaves_nothing(env, monkeypatch):
-    monkeypatch.setattr(core, "PROGRESS_INTERVAL_S", 0.1)
+    monkeypatch.setattr(runner, "PROGRESS_INTERVAL_S", 0.1)
     monkeypatch.setenv("FAKE_NVCC_SLEEP", "30")
 
     def interrupt(elapsed, finished):

@@ -3,28 +3,23 @@
 A ``KernelSpec`` is a few ``.cu`` files that nvcc turns into one ``lib<name>.so`` of ``extern "C"``
 launchers, loaded with ctypes. A build is keyed by a hash of everything that can change the binary, lives
 in ``<cache_root>/<name>/<key>/`` and is published by an atomic rename, so nobody sees half a build; a
-per-key lock file lets one process (one torchrun rank) compile while the others wait for its result.
+per-key lock file lets one process (one torchrun rank) compile while the others wait for its result. The lock,
+ninja and the compile's log lines are in ``runner``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
-import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -32,6 +27,15 @@ from pathlib import Path
 from .. import envs
 from .._version import __version__
 from ..errors import JitError
+from .runner import (
+    _exclusive_lock,
+    _is_executable,
+    _make_logging_visible,
+    _ninja_cmd,
+    _ninja_path,
+    _run_ninja,
+    _seconds,
+)
 
 logger = logging.getLogger("flashinfer_moe.jit")
 
@@ -41,7 +45,6 @@ _ARCH_RE = re.compile(r"^\d{2,3}[af]?$")
 _INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 _BASE_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", "-lineinfo")
 # Seconds between the lines that show a compile (or a wait for another process's compile) is still going.
-PROGRESS_INTERVAL_S = 10.0
 BUILD_COMMAND = "flashinfer-moe build"  # the reason `flashinfer-moe build` gives for its compiles
 SUPPORTED_GPUS_HINT = 'see "Supported GPUs" in the README'
 
@@ -152,10 +155,6 @@ def csrc_dir() -> Path:
 
 def _root(spec: KernelSpec) -> Path:
     return (spec.root if spec.root is not None else csrc_dir()).resolve()
-
-
-def _is_executable(path: str) -> bool:
-    return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
 def find_nvcc() -> str:
@@ -397,100 +396,6 @@ def cache_root() -> Path:
     return envs.cache_dir()
 
 
-class _FallbackHandler(logging.StreamHandler):
-    """Prints our lines to stderr only while the application has no logging configured."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if not logging.getLogger().handlers:  # otherwise the record reaches the app's handlers
-            super().emit(record)
-
-
-_fallback = _FallbackHandler(sys.stderr)
-_fallback.setFormatter(logging.Formatter("[flashinfer_moe] %(message)s"))
-_owns_level = False
-
-
-def _make_logging_visible() -> None:
-    # Checked per compile, not at import: apps often configure logging after their imports.
-    global _owns_level
-    if logging.getLogger().handlers or any(h is not _fallback for h in logger.handlers):
-        if _owns_level:  # the app has taken over: its levels decide now
-            logger.setLevel(logging.NOTSET)
-            _owns_level = False
-        logger.removeHandler(_fallback)
-        return
-    if _fallback not in logger.handlers:
-        logger.addHandler(_fallback)
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
-        _owns_level = True
-
-
-def _seconds(elapsed: float) -> str:
-    return f"{elapsed:.0f} s" if elapsed >= 10 else f"{elapsed:.1f} s"
-
-
-@contextmanager
-def _exclusive_lock(path: Path, timeout_s: float, name: str) -> Iterator[None]:
-    start = time.monotonic()
-    deadline, delay, next_report = start + timeout_s, 0.01, start + PROGRESS_INTERVAL_S
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise
-            now = time.monotonic()
-            if delay == 0.01:
-                logger.info("waiting for another process compiling %s (lock %s)", name, path)
-            elif now >= next_report:
-                logger.info("still waiting for another process compiling %s: %s", name, _seconds(now - start))
-                next_report = now + PROGRESS_INTERVAL_S
-            if time.monotonic() >= deadline:
-                raise JitError(
-                    f"timed out after {timeout_s:g} s waiting for the lock {path}, held by another process "
-                    f"compiling {name!r}; raise FLASHINFER_MOE_JIT_LOCK_TIMEOUT_S if its compile is slow"
-                ) from None
-            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.25)
-            continue
-        # Holders unlink the file before unlocking it, and a lock on an unlinked inode guards nothing.
-        try:
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)
-        os.close(fd)
-
-
-def _find_ninja() -> str:
-    try:
-        import ninja
-
-        if _is_executable(path := os.path.join(ninja.BIN_DIR, "ninja")):
-            return path
-    except ImportError:
-        pass
-    if path := shutil.which("ninja"):
-        return path
-    raise JitError("the ninja build tool was not found; install it with `pip install ninja`")
-
-
-def _ninja_path(path: str) -> str:
-    return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
-
-
-def _ninja_cmd(args: list[str]) -> str:
-    return shlex.join(args).replace("$", "$$")
-
-
 def _write_build_ninja(spec: KernelSpec, arch: list[str], nvcc: str, build_dir: Path) -> None:
     lines = [
         f"nvcc = {_ninja_cmd([nvcc])}",
@@ -506,66 +411,6 @@ def _write_build_ninja(spec: KernelSpec, arch: list[str], nvcc: str, build_dir: 
         lines.append(f"build {objects[-1]}: cuda_compile {_ninja_path(src_path)}\n  src = {_ninja_cmd([src_path])}")
     lines.append(f"build lib{spec.name}.so: cuda_link {' '.join(objects)}")
     (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")
-
-
-# Ninja prints this before each build step's description as the step finishes (its output is not a terminal):
-# how many steps are finished, of how many.
-_NINJA_STATUS = "[flashinfer_moe %f/%t] "
-_NINJA_STATUS_RE = re.compile(r"^\[flashinfer_moe (\d+)/(\d+)\] ")
-
-
-def _run_ninja(build_dir: Path, verbose: bool, progress: Callable[[float, int], None] | None = None) -> tuple[int, str]:
-    """Runs ninja in ``build_dir``; calls ``progress(seconds, steps finished)`` every ``PROGRESS_INTERVAL_S``.
-
-    Ninja compiles the translation units in parallel, then links. Returns its exit code and output.
-    """
-    cmd = [_find_ninja(), "-C", str(build_dir)] + (["-v"] if verbose else [])
-    if verbose:
-        print("[flashinfer_moe] " + shlex.join(cmd), file=sys.stderr, flush=True)
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-        env={**os.environ, "NINJA_STATUS": _NINJA_STATUS},
-    )
-    lines: list[str] = []
-    finished = [0]
-
-    def read_output() -> None:
-        for line in proc.stdout:
-            status = _NINJA_STATUS_RE.match(line)
-            if status:
-                finished[0] = int(status.group(1))
-                line = line[status.end() :]
-            lines.append(line)
-            if verbose:
-                print(line, end="", file=sys.stderr, flush=True)
-
-    reader = threading.Thread(target=read_output, name="flashinfer_moe-ninja", daemon=True)
-    reader.start()
-    try:
-        while True:
-            try:
-                proc.wait(timeout=PROGRESS_INTERVAL_S)
-                break
-            except subprocess.TimeoutExpired:
-                if progress is not None:
-                    progress(time.monotonic() - start, finished[0])
-    except BaseException:  # e.g. KeyboardInterrupt: ninja stops its compilers when terminated
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        reader.join(timeout=1)
-        raise
-    reader.join(timeout=60)
-    return proc.returncode, "".join(lines)
 
 
 def _compile(spec: KernelSpec, arch: list[str], nvcc: str, key: str, final: Path, why: str | None) -> None:
