@@ -56,6 +56,12 @@ template <int T, bool GATED>
 constexpr int warpgroups_for() {
   return T == 64 && !GATED ? 4 : 2;
 }
+// Bytes of one stage of T-token tiles (activations, weights, block scales), and the output columns of a CTA (GATED:
+// half its weight rows are up rows), for the kernel and its launch alike.
+__host__ __device__ constexpr int stage_bytes(int t, int w) {
+  return t * kStageK * 2 + w_stage_bytes(w) + s_stage_bytes(w);
+}
+__host__ __device__ constexpr int cols_per_cta(int w, bool gated) { return gated ? 32 * w : 64 * w; }
 
 // The expansion's byte tables (bf16 low and high bytes of the E2M1 magnitudes), see expand4.
 [[maybe_unused]] __device__ const uint32_t kTables[4] = {0xC0800000u, 0xC0804000u, 0x3F3F3F00u, 0x40404040u};
@@ -173,9 +179,9 @@ template <int T, int W, bool GATED, int STAGES, bool SPLIT>
 __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kThreads = 128 * W, kRowsCta = 64 * W;
-  constexpr int kWStageBytes = w_stage_bytes(W), kSStageBytes = s_stage_bytes(W);
-  constexpr int kCols = GATED ? kRowsCta / 2 : kRowsCta;  // output columns per CTA
-  constexpr int R = T / 2;                                // accumulator floats per thread
+  constexpr int kWStageBytes = w_stage_bytes(W);
+  constexpr int kCols = cols_per_cta(W, GATED);
+  constexpr int R = T / 2;  // accumulator floats per thread
   constexpr float kScaleFactor = SPLIT ? 0x1p118f : 1.0f, kUnscale = SPLIT ? 256.0f : 1.0f;
   // Fragment buffers: with two, a span's expansion runs while the previous span's wgmma group is in flight
   // (ptxas would otherwise give every span's fragments the same registers, see the span loop). Only for 8-token
@@ -183,7 +189,7 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
   // 512 threads) allow, measured slower (the gated 8-token tile 266 against 236 us, docs/perf.md).
   constexpr int kBufs = (T == 8 && !GATED) ? 2 : 1;
   constexpr int kXBytes = T * kStageK * 2;
-  constexpr int kStageBytes = kXBytes + kWStageBytes + kSStageBytes;
+  constexpr int kStageBytes = stage_bytes(T, W);
   extern __shared__ uint8_t smem_raw[];
 
   int e = blockIdx.y;
@@ -442,16 +448,14 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
 template <int T, bool GATED>
 constexpr int stages_for() {
   constexpr int W = warpgroups_for<T, GATED>();
-  constexpr int bytes = T * kStageK * 2 + w_stage_bytes(W) + s_stage_bytes(W);
-  constexpr int fit = ((W == 4 ? 226 : 110) * 1024 - pair_bytes(W)) / bytes;
+  constexpr int fit = ((W == 4 ? 226 : 110) * 1024 - pair_bytes(W)) / stage_bytes(T, W);
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
 }
 
 template <int T, bool GATED, bool SPLIT>
 cudaError_t launch(const Params& p, int grid_rows, cudaStream_t stream) {
   constexpr int W = warpgroups_for<T, GATED>(), kStages = stages_for<T, GATED>();
-  constexpr int kSmem = kStages * (T * kStageK * 2 + w_stage_bytes(W) + s_stage_bytes(W)) + pair_bytes(W) + 1024;
-  constexpr int kCols = GATED ? 32 * W : 64 * W;
+  constexpr int kSmem = kStages * stage_bytes(T, W) + pair_bytes(W) + 1024, kCols = cols_per_cta(W, GATED);
   cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, W, GATED, kStages, SPLIT>>(kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.n_out + kCols - 1) / kCols, grid_rows);
