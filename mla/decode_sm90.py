@@ -48,8 +48,9 @@ CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 # size (a box per page and column block, so 576 a tile at page 1); on an H100 (docs/perf.md) they were 1.04-1.15x
 # faster at page 64 with 128 (new token, head) rows and more, no faster at page 16 and about 5x slower at page 1.
 TMA_MIN_PAGE = 64
-# FP8 pages of the one-tensor cache of at least this many tokens: tiles by bulk copies (both kernels; one a tile at
-# page 64 and up, one a page below), else cp.async token rows; 0 keeps cp.async.
+# FP8 pages of the one-tensor cache of at least this many tokens: tiles by bulk copies (one a tile from page 64 on,
+# in both kernels; one a page below that, in the 64-row kernel only, the narrow one keeping cp.async there), else
+# cp.async token rows; 0 keeps cp.async.
 BULK_MIN_PAGE = 16
 LOG2E = 1.4426950408889634
 

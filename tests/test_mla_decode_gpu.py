@@ -84,9 +84,9 @@ def test_tma_tiles_equal_cp_async_tiles(rng, monkeypatch, page, split):
 @pytest.mark.parametrize("heads, s_q", [(128, 1), (33, 3), (16, 1)])
 def test_fp8_bulk_tiles_equal_cp_async_tiles(rng, monkeypatch, page, heads, s_q):
     """FP8 pages of the one-tensor cache, on the 64-row kernel with its producer warpgroup (more than 32 rows) and on
-    the narrow kernel (16 rows): a tile by bulk copies (one at pages of 64 tokens and up, one a page below), its
-    rows past the sequence's end (NaN in the poisoned pool, or not copied) cleared while widening, against the
-    cp.async token rows: bit-equal, and against float64."""
+    the narrow kernel (16 rows): a tile by bulk copies (one at pages of 64 tokens and up; below that one a page on
+    the 64-row kernel, token rows on the narrow one), its rows past the sequence's end (NaN in the poisoned pool, or
+    not copied) cleared while widening, against the cp.async token rows: bit-equal, and against float64."""
     seed, g = rng
     case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, FP8, device=DEV)
     _assert_tma_equals_cp_async(monkeypatch, case, seed)
