@@ -123,9 +123,11 @@ def forced_path(path: str):
     FP8 pages widened to bf16 (``FP8_F16_MATH`` off); ``wide``: FP8 pages of up to 32 rows on the 64-row CUDA
     kernel instead of the narrow one (``decode_sm90.NARROW_MAX_ROWS`` 0); ``cpasync``: the 64-row CUDA kernel's
     tiles by cp.async token rows where it would take them by TMA (``decode_sm90.TMA_MIN_PAGE`` 0); ``tma_all``: by
-    TMA at every page size (``TMA_MIN_PAGE`` 1); ``new``: the default."""
+    TMA at every page size (``TMA_MIN_PAGE`` 1); ``one_stage``: the narrow kernel with one fp16 stage
+    (``decode_sm90.NARROW_STAGES`` 1); ``new``: the default."""
     saved, saved_f16, saved_env = D.TMA_CONFIGS, DK.FP8_F16_MATH, os.environ.get(BACKEND_ENV)
     saved_narrow, saved_tma = decode_sm90.NARROW_MAX_ROWS, decode_sm90.TMA_MIN_PAGE
+    saved_stages = decode_sm90.NARROW_STAGES
     if path in ("old", "triton"):
         os.environ[BACKEND_ENV] = "triton"
     if path == "old":
@@ -134,6 +136,8 @@ def forced_path(path: str):
         DK.FP8_F16_MATH = False
     if path == "wide":
         decode_sm90.NARROW_MAX_ROWS = 0
+    if path == "one_stage":
+        decode_sm90.NARROW_STAGES = 1
     if path in ("cpasync", "tma_all"):
         decode_sm90.TMA_MIN_PAGE = 0 if path == "cpasync" else 1
     try:
@@ -141,6 +145,7 @@ def forced_path(path: str):
     finally:
         D.TMA_CONFIGS, DK.FP8_F16_MATH = saved, saved_f16
         decode_sm90.NARROW_MAX_ROWS, decode_sm90.TMA_MIN_PAGE = saved_narrow, saved_tma
+        decode_sm90.NARROW_STAGES = saved_stages
         if saved_env is None:
             os.environ.pop(BACKEND_ENV, None)
         else:

@@ -42,6 +42,11 @@ BLOCK_M = 64  # rows per CTA of the 64-row kernel; the plan's row blocks for bot
 # FP8 pages of at most this many rows take the narrow kernel; 0 sends them to the 64-row one. On an H200 (page 64,
 # docs/perf.md) the narrow kernel is 1.21-1.32x faster there than the 64-row one (16 rows: than the Triton one).
 NARROW_MAX_ROWS = 32
+# The narrow kernel's fp16 stages where its tiles come by bulk copies (the one-tensor cache, pages of 64 tokens and
+# up): 2 lets the widening of one tile overlap the products of the one before (raw buffers of half tiles beside
+# them; 1.05-1.08x at 16 and 32 rows on an H200, docs/perf.md), 1 alternates the two around one stage (raw buffers
+# of whole tiles), as token-row copies always do (two stages measured 0.81-0.85x there).
+NARROW_STAGES = 2
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 # Pages of at least this many tokens: the 64-row kernel's bf16/fp16 tiles by TMA (9 boxes a tile at page 64, issued
 # by one warp) instead of cp.async token rows; 0 keeps cp.async. The 64-row kernel takes TMA tiles at any page
@@ -123,7 +128,7 @@ def launch(q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_
         int(ckv.dtype == FP8),
         kv_scale.data_ptr() if isinstance(kv_scale, torch.Tensor) else None,
         1.0 if kv_scale is None or isinstance(kv_scale, torch.Tensor) else float(kv_scale),
-        int(ckv.dtype == FP8 and s_q * heads <= NARROW_MAX_ROWS),
+        NARROW_STAGES if ckv.dtype == FP8 and s_q * heads <= NARROW_MAX_ROWS else 0,
         ckv.shape[0],
         int(0 < (BULK_MIN_PAGE if ckv.dtype == FP8 else TMA_MIN_PAGE) <= page),
         num_programs,

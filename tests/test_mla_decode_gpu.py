@@ -92,6 +92,26 @@ def test_fp8_bulk_tiles_equal_cp_async_tiles(rng, monkeypatch, page, heads, s_q)
     _assert_tma_equals_cp_async(monkeypatch, case, seed)
 
 
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("heads, s_q", [(16, 1), (16, 2), (5, 3), (7, 1)])
+@pytest.mark.parametrize("num_sms", [None, 3])
+def test_fp8_narrow_two_stages_equal_one(rng, monkeypatch, page, heads, s_q, num_sms):
+    """The narrow kernel (FP8 pages, up to 32 rows) with its tiles by bulk copies (the one-tensor cache, pages of 64
+    tokens and up) and two fp16 stages with half-tile raw buffers, and with one stage and whole-tile ones: the same
+    products in the same order, so bit-equal outputs and LSE, on the full length mix with NaN-poisoned pools,
+    planned for every SM or for 3 (each CTA then walks many sequences, so the stages' phases carry across
+    pieces), and the first against float64."""
+    seed, g = rng
+    case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, FP8, device=DEV)
+    _backend(monkeypatch, "auto", case)
+    got = {}
+    for stages in (2, 1):
+        monkeypatch.setattr(decode_sm90, "NARROW_STAGES", stages)
+        got[stages] = run_decode(case, SM_SCALE, num_sms=num_sms)
+    assert_close(*got[2], *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"seed {seed}", lse_tol=lse_tol(case))
+    assert torch.equal(got[2][0], got[1][0]) and torch.equal(got[2][1], got[1][1]), f"seed {seed}"
+
+
 # Rows (heads x s_q) across the kernels' bounds: FP8 up to 32 rows on the narrow kernel, more on the 64-row one with
 # its producer warpgroup (64: one full row block, 99: a partial second one); bf16 on the 64-row one throughout.
 @pytest.mark.parametrize("heads, s_q", [(128, 1), (128, 2), (64, 2), (32, 2), (33, 3), (32, 1), (16, 8), (3, 5)])

@@ -6,34 +6,48 @@
 // so the online softmax runs along the tokens (the accumulator's M side: four warps, maxima exchanged through
 // shared memory).
 //
-// Warpgroup 0 computes; warpgroup 1 loads and widens. Tiles land as FP8 rows (cp.async, one token row per warp
-// step, so any page size) in three raw buffers, three tiles in flight; warpgroup 1 reads a landed tile into
-// registers, refills its buffer with the tile three on (its page lookups made a tile earlier), and writes the fp16
-// image (E4M3 -> fp16 is exact) into the one stage once warpgroup 0 is done with the previous tile. Shared memory
-// has room for one fp16 stage beside three raw buffers, so the widening and the products alternate; with two
-// stages and one raw buffer the time was the same (measured). The queries are scaled by the softmax scale into
-// fp16 once per piece; the pages' factor multiplies the scores and the output. Same schedule, workspace and
-// combine as the 64-row kernel (sm90_mla_decode.cu).
+// Warpgroup 0 computes; warpgroup 1 loads and widens. Tiles land as FP8 rows in raw buffers (cp.async, one token
+// row per warp step, so any page size; from page 64 on, bulk copies of whole rows); warpgroup 1 reads a landed
+// buffer into registers, refills it with the rows that many buffers on (its page lookups made one buffer earlier),
+// and writes the fp16 image (E4M3 -> fp16 is exact) into the tile's stage once warpgroup 0 is done with that
+// stage's previous tile. Shared memory holds one fp16 stage beside three raw buffers of whole tiles (STAGES 1: the
+// widening and the products alternate) or two stages beside raw buffers of half tiles (STAGES 2: a tile's widening
+// overlaps the previous tile's products; on an H200 1.05-1.08x one stage with bulk copies, 0.81-0.85x with token
+// rows, which then have 1.5 tiles in flight instead of 3, so the host takes it with bulk copies only). The queries
+// are scaled by the softmax scale into fp16 once per piece; the pages' factor multiplies the scores and the
+// output. Same schedule, workspace and combine as the 64-row kernel (sm90_mla_decode.cu).
 #include "mla/sm90_mla_common.cuh"
 
 namespace fim {
 namespace sm90_mla {
 namespace narrow {
 
-constexpr int kRawBuffers = 3;  // FP8 tiles in flight
+// STAGES 1: one fp16 stage beside three raw buffers of whole tiles, so that the widening and the products
+// alternate. STAGES 2: two fp16 stages, so that warpgroup 1 widens a tile while warpgroup 0 multiplies the one
+// before; there is room beside them only for raw buffers of half tiles (3 at 16 rows, 2 at 32).
+template <int N, int STAGES>
+struct Shape {
+  static constexpr int seg = STAGES == 1 ? kTile : kTile / 2;  // tokens a raw buffer holds
+  static constexpr int segs = kTile / seg;                     // raw buffers a tile
+  static constexpr int bufs = STAGES == 1 || N == 16 ? 3 : 2;  // raw buffers in flight
+  static constexpr int seg_bytes = seg * kChunks * 8;          // FP8 rows of 576 bytes
+  static constexpr int per_thread = seg * kChunks / 2 / 128;   // 16-byte chunks a thread reads
+  static constexpr int per_warp = seg / 4;                     // token rows a warp copies
+};
 
-// Q [9 blocks][N rows][64 columns], the fp16 stage, the raw buffers, P^T [N rows][64 tokens], the maxima exchange
+// Q [9 blocks][N rows][64 columns], the fp16 stages, the raw buffers, P^T [N rows][64 tokens], the maxima exchange
 // [2][4 warps][N], the sums [4][N], barriers; 1024 bytes of slack to align the base to an atom.
-template <int N>
+template <int N, int STAGES>
 struct Layout {
+  using S = Shape<N, STAGES>;
   static constexpr int q_block = N * 128;
   static constexpr int stage = 9 * q_block;
-  static constexpr int raw = stage + kImage;
-  static constexpr int p = raw + kRawBuffers * kRaw;
+  static constexpr int raw = stage + STAGES * kImage;
+  static constexpr int p = raw + S::bufs * S::seg_bytes;
   static constexpr int red = p + N * 128;
   static constexpr int sums = red + 2 * 4 * N * 4;
   static constexpr int bars = sums + 4 * N * 4;
-  static constexpr int bytes = bars + 8 * (kRawBuffers + 3) + 1024;
+  static constexpr int bytes = bars + 8 * (S::bufs + 2 * STAGES + 1) + 1024;
 };
 
 constexpr int kBarMax = 6, kBarP = 7, kBarRaw = 8, kBarQ = 9;  // named barriers within one warpgroup
@@ -46,16 +60,55 @@ __device__ __forceinline__ void sts16(uint32_t addr, uint16_t v) {
   asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
 }
 
-// FP8 rows of a tile into the raw buffer: warp w (of warpgroup 1) copies tokens 16 w .. 16 w + 15, each copy
-// instruction 512 contiguous bytes of one row; tokens from `hi` on read zeros.
-__device__ __forceinline__ void copy_raw(const Params& p, uint32_t raw, const Rows& rows, int warp, int lane) {
-  copy_rows_fp8(p, raw - kFp8Off, rows, warp, lane);
+// A raw buffer's token rows t0 .. t0 + 4 PER - 1, looked up: lane j < PER of warp w looks token t0 + PER w + j
+// up, and the warp shares it (tokens from `hi` on read zeros).
+template <int PER>
+__device__ __forceinline__ Rows look_up_rows(const Params& p, const int32_t* bt_row, int t0, int hi, int warp,
+                                             int lane) {
+  const int tok = t0 + warp * PER + (lane & (PER - 1));
+  Rows r;
+  r.ok = tok < hi;
+  const int64_t page = r.ok ? bt_row[tok >> p.page_shift] : 0;
+  const int64_t slot = r.ok ? tok & ((1 << p.page_shift) - 1) : 0;
+  r.lat = page * p.ckv_p + slot * p.ckv_t;
+  r.rope = page * p.kpe_p + slot * p.kpe_t;
+  return r;
 }
 
-template <bool QF16, int N>
+// FP8 rows into a raw buffer [4 PER rows][576 bytes] by warpgroup 1: warp w copies rows PER w .. PER w + PER - 1,
+// each copy instruction 512 contiguous bytes of one row.
+template <int PER>
+__device__ __forceinline__ void copy_raw(const Params& p, uint32_t raw, const Rows& rows, int warp, int lane) {
+  const char* ckv = static_cast<const char*>(p.ckv) + lane * 16;
+  const char* kpe = static_cast<const char*>(p.kpe) + (lane & 3) * 16;
+  const uint32_t dst = raw + lane * 16;
+#pragma unroll 4
+  for (int j = 0; j < PER; ++j) {
+    const int r = warp * PER + j;
+    const int64_t lat = __shfl_sync(0xffffffffu, rows.lat, j);
+    const int64_t rope = __shfl_sync(0xffffffffu, rows.rope, j);
+    const int bytes = __shfl_sync(0xffffffffu, rows.ok, j) ? 16 : 0;
+    cp_async_16(dst + r * kChunks * 8, ckv + lat, bytes);
+    if (lane < 4) cp_async_16(dst + r * kChunks * 8 + 512, kpe + rope, bytes);
+  }
+}
+
+// One-tensor cache, pages of 64 tokens and more: rows t0 .. t0 + BYTES / 576 - 1 lie in one page, contiguous, so
+// one bulk copy, issued by one thread and completing on `bar` (armed here). Rows past the sequence's end come as
+// the page holds them; the widening clears them.
+template <int BYTES>
+__device__ __forceinline__ void bulk_rows(const Params& p, const int32_t* bt_row, int t0, uint32_t raw, uint64_t* bar) {
+  const int64_t page = bt_row[t0 >> p.page_shift];
+  const int slot = t0 & ((1 << p.page_shift) - 1);
+  sm90_wgmma::bar_expect_tx(bar, BYTES);
+  sm90_wgmma::bulk_load(raw, static_cast<const char*>(p.ckv) + page * p.ckv_p + slot * p.ckv_t, BYTES, bar);
+}
+
+template <bool QF16, int N, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __grid_constant__ Params p) {
   using T = typename std::conditional<QF16, __half, __nv_bfloat16>::type;
-  using L = Layout<N>;
+  using L = Layout<N, STAGES>;
+  using S = Shape<N, STAGES>;
   constexpr int kCols = N / 4;              // query rows per thread
   constexpr int kChains = N == 16 ? 4 : 2;  // the scores' accumulators
   extern __shared__ uint8_t smem_raw[];
@@ -65,19 +118,20 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
   const uint32_t s_q = base, s_raw = base + L::raw, s_p = base + L::p;
   float* s_red = reinterpret_cast<float*>(smem + L::red);
   float* s_sums = reinterpret_cast<float*>(smem + L::sums);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);  // [kRawBuffers] a raw buffer landed
-  uint64_t* ready = full + kRawBuffers;                          // the fp16 image written
-  uint64_t* empty = ready + 1;                                   // warpgroup 0 done with the image
-  uint64_t* qbar = empty + 1;
-  const uint32_t stage = base + L::stage;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);  // [bufs] a raw buffer landed
+  uint64_t* ready = full + S::bufs;                              // [STAGES] the fp16 image written
+  uint64_t* empty = ready + STAGES;                              // [STAGES] warpgroup 0 done with the image
+  uint64_t* qbar = empty + STAGES;
 
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), t = tid & 127, warp = t >> 5;
   const int lane = tid & 31, q = lane & 3;
   const int prog = blockIdx.y;
   if (tid == 0) {
-    for (int r = 0; r < kRawBuffers; ++r) bar_init(&full[r], p.tma ? 1 : 128);
-    bar_init(ready, 128);
-    bar_init(empty, 128);
+    for (int r = 0; r < S::bufs; ++r) bar_init(&full[r], p.tma ? 1 : 128);
+    for (int s = 0; s < STAGES; ++s) {
+      bar_init(&ready[s], 128);
+      bar_init(&empty[s], 128);
+    }
     bar_init(qbar, kThreads);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -106,14 +160,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
     const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
 
     __syncthreads();  // the previous piece is done with Q, the stages and the sums
+    const int nsegs = ntiles * S::segs;
+    const uint32_t seg0 = tiles_done * S::segs;  // raw buffer segments before this piece
     if (wg == 1) {
-      for (int i = 0; i < kRawBuffers && i < ntiles; ++i) {
-        const uint32_t r = (tiles_done + i) % kRawBuffers;
+      for (int i = 0; i < S::bufs && i < nsegs; ++i) {
+        const uint32_t r = (seg0 + i) % S::bufs, raw = s_raw + r * S::seg_bytes;
         if (p.tma) {
-          if (t == 0) bulk_raw(p, bt_row, tok_lo + i * kTile, s_raw + r * kRaw, &full[r]);
+          if (t == 0) bulk_rows<S::seg_bytes>(p, bt_row, tok_lo + i * S::seg, raw, &full[r]);
           continue;
         }
-        copy_raw(p, s_raw + r * kRaw, look_up(p, bt_row, tok_lo + i * kTile, tok_hi, warp, lane, 1), warp, lane);
+        const Rows rows = look_up_rows<S::per_warp>(p, bt_row, tok_lo + i * S::seg, tok_hi, warp, lane);
+        copy_raw<S::per_warp>(p, raw, rows, warp, lane);
         cp_async_arrive(&full[r]);
       }
     }
@@ -143,8 +200,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
 
       const int ta = warp * 16 + (lane >> 2);  // this thread's tokens in a tile: ta, ta + 8
       for (int i = 0; i < ntiles; ++i) {
-        const uint32_t g = tiles_done + i;
-        bar_wait(ready, g & 1);
+        const uint32_t g = tiles_done + i, stage = base + L::stage + (g % STAGES) * kImage;
+        bar_wait(&ready[g % STAGES], (g / STAGES) & 1);
         fence_async_smem();
         // The 36 k steps in kChains independent accumulators, issued in turn: one chain of dependent small
         // products would wait out each product's latency.
@@ -221,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
         wgmma_wait<0>();
 #pragma unroll
         for (int mb = 0; mb < 8; ++mb) fence_regs(o[mb]);
-        sm90_wgmma::bar_arrive(empty);
+        sm90_wgmma::bar_arrive(&empty[g % STAGES]);
       }
 
       // Row sums: the 8 lanes of each q, then the four warps.
@@ -271,44 +328,49 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
         }
       }
     } else {
-      // Each tile: its raw rows into registers, the copies of the tile kRawBuffers on into the freed raw buffer (its
-      // page lookups made one tile earlier, a global load in flight meanwhile), then the fp16 image once warpgroup 0
-      // is done with that image's previous tile.
+      // Each raw buffer: its rows into registers, the copies of the segment S::bufs on into the freed buffer (their
+      // page lookups made one segment earlier, a global load in flight meanwhile), then the rows widened into the
+      // tile's fp16 stage once warpgroup 0 is done with that stage's previous tile.
       Rows next{};
-      if (!p.tma && kRawBuffers < ntiles)
-        next = look_up(p, bt_row, tok_lo + kRawBuffers * kTile, tok_hi, warp, lane, 1);
+      if (!p.tma && S::bufs < nsegs)
+        next = look_up_rows<S::per_warp>(p, bt_row, tok_lo + S::bufs * S::seg, tok_hi, warp, lane);
       for (int i = 0; i < ntiles; ++i) {
-        const uint32_t g = tiles_done + i, r = g % kRawBuffers;
-        const uint32_t raw = s_raw + r * kRaw;
-        bar_wait(&full[r], (raw_phases >> r) & 1);
-        raw_phases ^= 1u << r;
-        uint4 v[18];  // 64 rows x 36 chunks of 16 bytes, 18 per thread
+        const uint32_t g = tiles_done + i, stage = base + L::stage + (g % STAGES) * kImage;
 #pragma unroll
-        for (int j = 0; j < 18; ++j) v[j] = sm90_wgmma::lds128(raw + (j * 128 + t) * 16);
-        wg_sync(kBarRaw);  // the buffer is read: its refill may start
-        if (p.tma) {
-          // Rows past the sequence's end read zeros (the bulk copy took them from the page as they are).
-          const int valid = tok_hi - tok_lo - i * kTile;
+        for (int h = 0; h < S::segs; ++h) {
+          const int j0 = i * S::segs + h;  // the segment in this piece
+          const uint32_t r = (seg0 + j0) % S::bufs, raw = s_raw + r * S::seg_bytes;
+          bar_wait(&full[r], (raw_phases >> r) & 1);
+          raw_phases ^= 1u << r;
+          uint4 v[S::per_thread];
 #pragma unroll
-          for (int j = 0; j < 18; ++j) {
-            if ((j * 128 + t) / 36 >= valid) v[j] = make_uint4(0u, 0u, 0u, 0u);
+          for (int j = 0; j < S::per_thread; ++j) v[j] = sm90_wgmma::lds128(raw + (j * 128 + t) * 16);
+          wg_sync(kBarRaw);  // the buffer is read: its refill may start
+          if (p.tma) {
+            // Rows past the sequence's end read zeros (the bulk copy took them from the page as they are).
+            const int valid = tok_hi - tok_lo - j0 * S::seg;
+#pragma unroll
+            for (int j = 0; j < S::per_thread; ++j) {
+              if ((j * 128 + t) / 36 >= valid) v[j] = make_uint4(0u, 0u, 0u, 0u);
+            }
+            if (t == 0 && j0 + S::bufs < nsegs)
+              bulk_rows<S::seg_bytes>(p, bt_row, tok_lo + (j0 + S::bufs) * S::seg, raw, &full[r]);
+          } else if (j0 + S::bufs < nsegs) {
+            copy_raw<S::per_warp>(p, raw, next, warp, lane);
+            cp_async_arrive(&full[r]);
+            if (j0 + S::bufs + 1 < nsegs)
+              next = look_up_rows<S::per_warp>(p, bt_row, tok_lo + (j0 + S::bufs + 1) * S::seg, tok_hi, warp, lane);
           }
-          if (t == 0 && i + kRawBuffers < ntiles)
-            bulk_raw(p, bt_row, tok_lo + (i + kRawBuffers) * kTile, raw, &full[r]);
-        } else if (i + kRawBuffers < ntiles) {
-          copy_raw(p, raw, next, warp, lane);
-          cp_async_arrive(&full[r]);
-          if (i + kRawBuffers + 1 < ntiles)
-            next = look_up(p, bt_row, tok_lo + (i + kRawBuffers + 1) * kTile, tok_hi, warp, lane, 1);
-        }
-        if (g >= 1) bar_wait(empty, (g - 1) & 1);  // warpgroup 0 is done with the previous tile
+          // Warpgroup 0 is done with this stage's previous tile.
+          if (h == 0 && g >= STAGES) bar_wait(&empty[g % STAGES], ((g - STAGES) / STAGES) & 1);
 #pragma unroll
-        for (int j = 0; j < 18; ++j) {
-          const int item = j * 128 + t;
-          store_widened(stage, item / 36, item % 36, v[j]);
+          for (int j = 0; j < S::per_thread; ++j) {
+            const int item = j * 128 + t;
+            store_widened(stage, h * S::seg + item / 36, item % 36, v[j]);
+          }
         }
         fence_async_smem();  // the widened rows -> warpgroup 0's wgmma reads
-        sm90_wgmma::bar_arrive(ready);
+        sm90_wgmma::bar_arrive(&ready[g % STAGES]);
       }
     }
     tiles_done += ntiles;
@@ -320,28 +382,34 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
 
 #else
 
-template <bool QF16, int N>
+template <bool QF16, int N, int STAGES>
 __global__ void mla_decode_narrow_kernel(const __grid_constant__ Params p) {}
 
 #endif
 
-template <bool QF16, int N>
+template <bool QF16, int N, int STAGES>
 int launch_t(const Params& p, int programs, cudaStream_t stream) {
-  constexpr int bytes = Layout<N>::bytes;
+  constexpr int bytes = Layout<N, STAGES>::bytes;
   static_assert(bytes <= 227 * 1024, "shared memory");
-  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_narrow_kernel<QF16, N>>(bytes);
+  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_narrow_kernel<QF16, N, STAGES>>(bytes);
   if (err != cudaSuccess) return static_cast<int>(err);
-  mla_decode_narrow_kernel<QF16, N><<<dim3(1, programs), kThreads, bytes, stream>>>(p);
+  mla_decode_narrow_kernel<QF16, N, STAGES><<<dim3(1, programs), kThreads, bytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
+}
+
+template <int STAGES>
+int launch_rows(const Params& p, bool fp16, int programs, cudaStream_t stream) {
+  if (p.rows <= 16) {
+    return fp16 ? launch_t<true, 16, STAGES>(p, programs, stream) : launch_t<false, 16, STAGES>(p, programs, stream);
+  }
+  return fp16 ? launch_t<true, 32, STAGES>(p, programs, stream) : launch_t<false, 32, STAGES>(p, programs, stream);
 }
 
 }  // namespace narrow
 
-int launch_narrow(const Params& p, bool fp16, int programs, cudaStream_t stream) {
-  if (p.rows <= 16) {
-    return fp16 ? narrow::launch_t<true, 16>(p, programs, stream) : narrow::launch_t<false, 16>(p, programs, stream);
-  }
-  return fp16 ? narrow::launch_t<true, 32>(p, programs, stream) : narrow::launch_t<false, 32>(p, programs, stream);
+int launch_narrow(const Params& p, bool fp16, int stages, int programs, cudaStream_t stream) {
+  return stages == 2 ? narrow::launch_rows<2>(p, fp16, programs, stream)
+                     : narrow::launch_rows<1>(p, fp16, programs, stream);
 }
 
 }  // namespace sm90_mla
