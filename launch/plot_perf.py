@@ -20,7 +20,6 @@ makes the exit status 1; the other plots are still written.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -30,98 +29,29 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+from plot_style import (  # noqa: E402
+    BASELINE,
+    BASELINE_ALT,
+    BASELINE_OTHER,
+    GOAL,
+    OURS,
+    OURS_ALT,
+    OURS_EAGER,
+    STYLE,
+    bar_labels,
+    finite,
+    load_json,
+    log_axis,
+    save,
+    ticks_at,
+    title,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # The GPU and date of the runs in docs/data, for the JSON files that do not record them (all but bench_ep.json).
 RUN_GPU = "NVIDIA H200"
 RUN_DATE = "2026-11-25"
-
-# One colour per role, the same in every plot.
-OURS = "#1f5fa8"
-OURS_ALT = "#5fa2e0"
-OURS_EAGER = "#8c6bb1"
-BASELINE = "#d9541e"
-BASELINE_ALT = "#f2a541"
-BASELINE_OTHER = "#7a7a7a"
-GOAL = "#2a9d4b"
-
-STYLE = {
-    "font.family": "DejaVu Sans",
-    "font.size": 10,
-    "axes.titlesize": 11,
-    "axes.labelsize": 10,
-    "legend.fontsize": 9,
-    "xtick.labelsize": 9,
-    "ytick.labelsize": 9,
-    "axes.grid": True,
-    "grid.alpha": 0.3,
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-    "figure.dpi": 110,
-    "savefig.dpi": 110,
-}
-
-
-def _load(data: Path, name: str):
-    path = data / name
-    if not path.exists():
-        print(f"plot_perf: {path} not found, its plot is skipped", file=sys.stderr)
-        return None
-    return json.loads(path.read_text())
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def _number(v: float, _pos=None) -> str:
-    """Tick labels on log axes: 1, 10, 100, 1k, 10k, 4096 (no powers of ten)."""
-    if v >= 1000 and v % 1000 == 0:
-        return f"{v / 1000:g}k"
-    return f"{v:g}"
-
-
-def _log_axis(ax, axis: str, subs: tuple[float, ...] = (1.0, 2.0, 5.0)) -> None:
-    target = ax.xaxis if axis == "x" else ax.yaxis
-    (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
-    target.set_major_locator(LogLocator(base=10, subs=subs))
-    target.set_major_formatter(FuncFormatter(_number))
-    target.set_minor_formatter(NullFormatter())
-
-
-def _ticks_at(ax, xs) -> None:
-    """x ticks at the measured points only (a log axis otherwise labels every 1-2-5 step)."""
-    ax.set_xticks(list(xs), [_number(x) for x in xs])
-    ax.xaxis.set_minor_locator(LogLocator(base=10, subs=()))
-
-
-def _title(fig, what: str, gpu: str, date: str, command: str) -> None:
-    fig.suptitle(f"{what}\n{gpu}, {date}", fontsize=12, fontweight="bold")
-    fig.supxlabel(f"reproduce on a GPU: {command}", fontsize=8, family="DejaVu Sans Mono", color="#444")
-
-
-def _save(fig, out: Path, name: str, written: list[Path]) -> None:
-    path = out / name
-    fig.savefig(path, metadata={"Software": None})
-    plt.close(fig)
-    written.append(path)
-
-
-def _bar_labels(ax, bars, fmt: str) -> None:
-    """The value at the end of each horizontal bar."""
-    for bar in bars:
-        v = bar.get_width()
-        ax.annotate(
-            format(v, fmt),
-            (v, bar.get_y() + bar.get_height() / 2),
-            xytext=(3, 0),
-            textcoords="offset points",
-            va="center",
-            fontsize=8,
-        )
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Routing
@@ -149,14 +79,14 @@ def plot_routing(rows: list[dict], out: Path, written: list[Path]) -> None:
             ("torch_compile_us", "torch.compile'd reference", BASELINE_OTHER, "^", ":"),
         )
         for key, label, colour, marker, ls in series:
-            pts = [(x, r[key]) for x, r in zip(t, ds, strict=True) if _finite(r.get(key))]
+            pts = [(x, r[key]) for x, r in zip(t, ds, strict=True) if finite(r.get(key))]
             if pts:
                 left.plot(*zip(*pts, strict=True), marker=marker, ls=ls, color=colour, label=label)
         e, k = ds[0]["experts"], ds[0]["top_k"]
         left.set_title(f"DeepSeek-V3 routing (E = {e}, top-{k}, fp32 logits)")
-        _log_axis(left, "x")
-        _log_axis(left, "y")
-        _ticks_at(left, t)
+        log_axis(left, "x")
+        log_axis(left, "y")
+        ticks_at(left, t)
         left.set_xlabel("tokens T")
         left.set_ylabel("time per call (us, log scale)")
         left.legend(loc="upper left")
@@ -174,14 +104,14 @@ def plot_routing(rows: list[dict], out: Path, written: list[Path]) -> None:
             label=f"{MODEL_NAMES.get(model, model)} (E = {e}, top-{k})",
         )
     right.set_title("Speed-up over the torch reference, GPU time against GPU time")
-    _log_axis(right, "x")
-    _ticks_at(right, sorted({r["tokens"] for r in rows}))
+    log_axis(right, "x")
+    ticks_at(right, sorted({r["tokens"] for r in rows}))
     right.set_ylim(bottom=0)
     right.set_xlabel("tokens T")
     right.set_ylabel("torch graph time / our graph time (x)")
     right.legend(loc="upper left")
-    _title(fig, "Routing: flashinfer_moe.route", RUN_GPU, RUN_DATE, "python launch/bench_routing.py --json FILE")
-    _save(fig, out, "routing.png", written)
+    title(fig, "Routing: flashinfer_moe.route", RUN_GPU, RUN_DATE, "python launch/bench_routing.py --json FILE")
+    save(fig, out, "routing.png", written)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -197,26 +127,26 @@ def plot_permute(data: dict, out: Path, written: list[Path]) -> None:
     colours = {t: shades[i % len(shades)] for i, t in enumerate(tokens)}
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 6.0), constrained_layout=True)
 
-    moving = [op for op in ops if any(_finite(by.get((op, t), {}).get("gbps")) for t in tokens)]
+    moving = [op for op in ops if any(finite(by.get((op, t), {}).get("gbps")) for t in tokens)]
     height = 0.8 / len(tokens)
     for j, t in enumerate(tokens):
         ys, vs = [], []
         for i, op in enumerate(moving):
             r = by.get((op, t))
-            if r is not None and _finite(r["gbps"]):
+            if r is not None and finite(r["gbps"]):
                 ys.append(i + (j - (len(tokens) - 1) / 2) * height)
                 vs.append(r["gbps"])
         bars = left.barh(ys, vs, height=height, color=colours[t], label=f"ours, T = {t}")
-        _bar_labels(left, bars, ".0f")
+        bar_labels(left, bars, ".0f")
     for value, label, ls in (
         (data.get("copy_gbps"), "device copy, read + write", "--"),
         (data.get("write_gbps"), "write-only fill", ":"),
     ):
-        if _finite(value):
+        if finite(value):
             left.axvline(value, color=BASELINE, ls=ls, lw=1.5, label=f"{label}: {value:.0f} GB/s")
     left.set_yticks(range(len(moving)), moving)
     left.invert_yaxis()
-    left.set_xlim(0, 1.18 * max(r["gbps"] for r in rows if _finite(r["gbps"])))
+    left.set_xlim(0, 1.18 * max(r["gbps"] for r in rows if finite(r["gbps"])))
     left.set_xlabel("bandwidth of the bytes that must move (GB/s)")
     left.set_title("Bandwidth against the same run's copy and fill ceilings")
     left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
@@ -230,7 +160,7 @@ def plot_permute(data: dict, out: Path, written: list[Path]) -> None:
                 ys.append(i + (j - (len(tokens) - 1) / 2) * height)
                 vs.append(r["kernel_us"])
         bars = right.barh(ys, vs, height=height, color=colours[t], label=f"ours, T = {t}")
-        _bar_labels(right, bars, ".1f")
+        bar_labels(right, bars, ".1f")
     for j, t in enumerate(tokens):
         pts = [
             (by[(op, t)]["torch_us"], i + (j - (len(tokens) - 1) / 2) * height)
@@ -244,7 +174,7 @@ def plot_permute(data: dict, out: Path, written: list[Path]) -> None:
             color=BASELINE if j else BASELINE_ALT,
             label=f"torch reference (eager), T = {t}",
         )
-    _log_axis(right, "x", subs=(1.0,))
+    log_axis(right, "x", subs=(1.0,))
     right.set_xlim(1, 10 * max(max(r["torch_us"], r["kernel_us"]) for r in rows))
     right.set_yticks(range(len(ops)), ops)
     right.invert_yaxis()
@@ -252,14 +182,14 @@ def plot_permute(data: dict, out: Path, written: list[Path]) -> None:
     right.set_title("Time per call, ours against the torch reference")
     right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     right.grid(axis="y", visible=False)
-    _title(
+    title(
         fig,
         "Layout, permute + quantization, combine (DeepSeek-V3 shapes: E = 256, top-8, H = 7168, bf16)",
         RUN_GPU,
         RUN_DATE,
         "python launch/bench_permute.py --json FILE",
     )
-    _save(fig, out, "permute.png", written)
+    save(fig, out, "permute.png", written)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -322,8 +252,8 @@ def plot_gemm(rows: list[dict], out: Path, written: list[Path]) -> None:
         left.axvline(split, color="#999", lw=1)
         left.text(split, 20, "  contiguous\n  (prefill)", fontsize=8, color="#555", va="bottom")
         left.text(split, 20, "masked  \n(decode)  ", fontsize=8, color="#555", va="bottom", ha="right")
-    _log_axis(left, "x")
-    _ticks_at(left, xm + xc)
+    log_axis(left, "x")
+    ticks_at(left, xm + xc)
     left.set_ylim(0, 1.25 * max(y for line in left.get_lines() for y in line.get_ydata()))
     left.set_xlabel("rows per expert (log scale); masked: 32 experts; contiguous: 32 x 512, 8 x 4096")
     left.set_ylabel("TFLOP/s")
@@ -335,7 +265,7 @@ def plot_gemm(rows: list[dict], out: Path, written: list[Path]) -> None:
         weight_bytes = masked[0]["experts"] * n * k
         right.plot(xm, [r["weight_tb_s"] for r in masked], "o-", color=OURS, label="ours (default choice)")
         right.plot(xm, [r["packed_tb_s"] for r in masked], "o--", color=OURS_ALT, label="ours, packed weights")
-        if all(_finite(r.get("triton_tb_s")) for r in masked):
+        if all(finite(r.get("triton_tb_s")) for r in masked):
             right.plot(
                 xm, [r["triton_tb_s"] for r in masked], "^:", color=OURS_EAGER, label="ours, Triton kernel (fallback)"
             )
@@ -357,21 +287,21 @@ def plot_gemm(rows: list[dict], out: Path, written: list[Path]) -> None:
                 fontsize=8,
                 color=OURS_ALT,
             )
-        _log_axis(right, "x")
-        _ticks_at(right, xm)
+        log_axis(right, "x")
+        ticks_at(right, xm)
         right.set_ylim(0, 1.15 * max(4.0, *(r["packed_tb_s"] for r in masked), *(r["weight_tb_s"] for r in masked)))
         right.set_xlabel("rows per expert (masked layout, 32 experts, every slot used)")
         right.set_ylabel("weight bytes / time (TB/s)")
         right.set_title(f"Decode: weight stream, {weight_bytes / 1e9:.2f} GB of FP8 weights per call")
         right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    _title(
+    title(
         fig,
         "Grouped GEMM (FP8, 128 x 128 weight blocks, 1 x 128 activation groups): ours against cuBLAS",
         RUN_GPU,
         RUN_DATE,
         "python launch/bench_gemm.py --json FILE",
     )
-    _save(fig, out, "gemm.png", written)
+    save(fig, out, "gemm.png", written)
 
 
 def plot_fused(rows: list[dict], out: Path, written: list[Path]) -> None:
@@ -396,21 +326,21 @@ def plot_fused(rows: list[dict], out: Path, written: list[Path]) -> None:
                 fontsize=8,
                 color=BASELINE,
             )
-        _log_axis(ax, "x")
-        _log_axis(ax, "y")
-        _ticks_at(ax, t)
+        log_axis(ax, "x")
+        log_axis(ax, "y")
+        ticks_at(ax, t)
         ax.set_xlabel("tokens T")
         ax.set_title(f"E = {e} experts" + (" (one EP4 rank's share)" if e == 64 else ""))
         ax.legend(loc="lower right")
     axes[0].set_ylabel("time per layer (us, log scale)")
-    _title(
+    title(
         fig,
         "fused_moe, DeepSeek-V3 layer (H 7168, I 2048, top-8, FP8 block); labels: torch time / ours (graph)",
         RUN_GPU,
         RUN_DATE,
         "python launch/bench_gemm.py --tables fused --json FILE",
     )
-    _save(fig, out, "fused_moe.png", written)
+    save(fig, out, "fused_moe.png", written)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -441,7 +371,7 @@ def plot_ep(data: dict, out: Path, written: list[Path]) -> None:
         bars = left.bar(xs, vs, width=width, color=colour, label=label)
         for bar, r in zip(bars, rs, strict=True):
             text = f"{bar.get_height():.2f} ms"
-            if r["impl"] != "torch a2a" and _finite(r.get("vs_base")):
+            if r["impl"] != "torch a2a" and finite(r.get("vs_base")):
                 text += f"\n{r['vs_base']:.1f}x"
             left.annotate(
                 text,
@@ -464,7 +394,7 @@ def plot_ep(data: dict, out: Path, written: list[Path]) -> None:
             label += f"\nEPMoELayer / MoELayer time: {ep / single:.3f}x"
         labels.append(label)
     left.set_xticks(range(len(tokens)), labels)
-    _log_axis(left, "y")
+    log_axis(left, "y")
     # Headroom above the tallest bar for the legend (log scale).
     left.set_ylim(min(1.0, min(r["us_max"] for r in rows) / 2000), 25 * max(r["us_max"] for r in rows) / 1000)
     left.set_ylabel("time per layer (ms, log scale)")
@@ -473,7 +403,7 @@ def plot_ep(data: dict, out: Path, written: list[Path]) -> None:
     left.grid(axis="x", visible=False)
 
     # Right: host overhead of eager calls = wall time of back-to-back eager calls - the same calls in a graph.
-    cases = [r for r in rows if _finite(r.get("host_us")) and _finite(r.get("graph_us"))]
+    cases = [r for r in rows if finite(r.get("host_us")) and finite(r.get("graph_us"))]
     names = [
         f"{r['impl']}\nT = {r['tokens']}" + ("\n(functional op)" if r["impl"] == "fused_moe" else "") for r in cases
     ]
@@ -506,14 +436,14 @@ def plot_ep(data: dict, out: Path, written: list[Path]) -> None:
         f"H {cfg.get('hidden', '?')}, FP8 block, {cfg.get('shared_experts', '?')} shared expert), "
         f"W = {world} GPU{'s' if world != 1 else ''}"
     )
-    _title(
+    title(
         fig,
         what,
         meta.get("device", RUN_GPU),
         meta.get("date", RUN_DATE),
         f"torchrun --nproc-per-node {world} launch/bench_ep.py --json FILE",
     )
-    _save(fig, out, "ep_layer.png", written)
+    save(fig, out, "ep_layer.png", written)
 
 
 def main() -> int:
@@ -531,7 +461,7 @@ def main() -> int:
         ("bench_gemm.json", (plot_gemm, plot_fused)),
         ("bench_ep.json", (plot_ep,)),
     ):
-        data = _load(args.data, name)
+        data = load_json(args.data, name)
         if data is None:
             missing += 1
             continue

@@ -34,7 +34,16 @@ GPU_SCRIPTS = {
     "tune_gemm_sm90.py": "needs a CUDA GPU of compute capability 9.0 (sm_90)",
 }
 # Run on CPUs too (the expert-parallel job and benchmark have their own checks), or are not scripts.
-OTHER = {"ep_moe.py", "ep_common.py", "bench_ep.py", "timing.py", "plot_perf.py", "mla_sdpa.py", "nvfp4_sweep_space.py"}
+OTHER = {
+    "ep_moe.py",
+    "ep_common.py",
+    "bench_ep.py",
+    "timing.py",
+    "plot_perf.py",
+    "plot_style.py",
+    "mla_sdpa.py",
+    "nvfp4_sweep_space.py",
+}
 
 # Runs the script as `python script` would (its folder first on sys.path), and reports on exit whether the
 # library was imported by then.
