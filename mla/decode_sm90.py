@@ -44,7 +44,7 @@ BLOCK_M = 64  # rows per CTA of the 64-row kernel; the plan's row blocks for bot
 NARROW_MAX_ROWS = 32
 # The narrow kernel's fp16 stages where its tiles come by bulk copies (the one-tensor cache, pages of 64 tokens and
 # up): 2 lets the widening of one tile overlap the products of the one before (raw buffers of half tiles beside
-# them; 1.05-1.08x at 16 and 32 rows on an H200, docs/perf.md), 1 alternates the two around one stage (raw buffers
+# them; 1.04-1.09x at 16 and 32 rows on an H200, docs/perf.md), 1 alternates the two around one stage (raw buffers
 # of whole tiles), as token-row copies always do (two stages measured 0.81-0.85x there).
 NARROW_STAGES = 2
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages

@@ -57,7 +57,7 @@ struct Params {
 };
 
 // The kernel for FP8 pages and at most 32 (new token, head) rows (sm90_mla_decode_narrow.cu), with one fp16 stage
-// or two (`stages`); returns a cudaError_t code.
+// or two (`stages` 2, taken only where p.tma: bulk copies); returns a cudaError_t code.
 int launch_narrow(const Params& p, bool fp16, int stages, int programs, cudaStream_t stream);
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -555,7 +555,7 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
     // 0.97-1.08x its token rows at page 16 (16-32 rows, an H100) and made ptxas spill. Two fp16 stages only with
     // bulk copies: with token rows into half-tile buffers it measured 0.81-0.85x one stage (an H200).
     p.tma = bulk && page >= fim::sm90_mla::kTile;
-    return fim::sm90_mla::launch_narrow(p, fp16, p.tma ? narrow : 1, programs, stream);
+    return fim::sm90_mla::launch_narrow(p, fp16, narrow, programs, stream);
   }
   const int row_blocks = (p.rows + fim::sm90_mla::kRows - 1) / fim::sm90_mla::kRows;
   using fim::sm90_mla::launch;

@@ -12,8 +12,8 @@
 // and writes the fp16 image (E4M3 -> fp16 is exact) into the tile's stage once warpgroup 0 is done with that
 // stage's previous tile. Shared memory holds one fp16 stage beside three raw buffers of whole tiles (STAGES 1: the
 // widening and the products alternate) or two stages beside raw buffers of half tiles (STAGES 2: a tile's widening
-// overlaps the previous tile's products; on an H200 1.05-1.08x one stage with bulk copies, 0.81-0.85x with token
-// rows, which then have 1.5 tiles in flight instead of 3, so the host takes it with bulk copies only). The queries
+// overlaps the previous tile's products; on an H200 1.04-1.09x one stage with bulk copies, 0.81-0.85x with token
+// rows, which then have 1.5 tiles in flight instead of 3, so launch_narrow takes it with bulk copies only). The queries
 // are scaled by the softmax scale into fp16 once per piece; the pages' factor multiplies the scores and the
 // output. Same schedule, workspace and combine as the 64-row kernel (sm90_mla_decode.cu).
 #include "mla/sm90_mla_common.cuh"
@@ -126,8 +126,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), t = tid & 127, warp = t >> 5;
   const int lane = tid & 31, q = lane & 3;
   const int prog = blockIdx.y;
+  // Bulk copies (p.tma); two stages take no other (launch_narrow), so their instances hold no cp.async path.
+  const bool bulk = STAGES == 2 || p.tma;
   if (tid == 0) {
-    for (int r = 0; r < S::bufs; ++r) bar_init(&full[r], p.tma ? 1 : 128);
+    for (int r = 0; r < S::bufs; ++r) bar_init(&full[r], bulk ? 1 : 128);
     for (int s = 0; s < STAGES; ++s) {
       bar_init(&ready[s], 128);
       bar_init(&empty[s], 128);
@@ -165,7 +167,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
     if (wg == 1) {
       for (int i = 0; i < S::bufs && i < nsegs; ++i) {
         const uint32_t r = (seg0 + i) % S::bufs, raw = s_raw + r * S::seg_bytes;
-        if (p.tma) {
+        if (bulk) {
           if (t == 0) bulk_rows<S::seg_bytes>(p, bt_row, tok_lo + i * S::seg, raw, &full[r]);
           continue;
         }
@@ -332,7 +334,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
       // page lookups made one segment earlier, a global load in flight meanwhile), then the rows widened into the
       // tile's fp16 stage once warpgroup 0 is done with that stage's previous tile.
       Rows next{};
-      if (!p.tma && S::bufs < nsegs)
+      if (!bulk && S::bufs < nsegs)
         next = look_up_rows<S::per_warp>(p, bt_row, tok_lo + S::bufs * S::seg, tok_hi, warp, lane);
       for (int i = 0; i < ntiles; ++i) {
         const uint32_t g = tiles_done + i, stage = base + L::stage + (g % STAGES) * kImage;
@@ -346,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
 #pragma unroll
           for (int j = 0; j < S::per_thread; ++j) v[j] = sm90_wgmma::lds128(raw + (j * 128 + t) * 16);
           wg_sync(kBarRaw);  // the buffer is read: its refill may start
-          if (p.tma) {
+          if (bulk) {
             // Rows past the sequence's end read zeros (the bulk copy took them from the page as they are).
             const int valid = tok_hi - tok_lo - j0 * S::seg;
 #pragma unroll
@@ -408,8 +410,8 @@ int launch_rows(const Params& p, bool fp16, int programs, cudaStream_t stream) {
 }  // namespace narrow
 
 int launch_narrow(const Params& p, bool fp16, int stages, int programs, cudaStream_t stream) {
-  return stages == 2 ? narrow::launch_rows<2>(p, fp16, programs, stream)
-                     : narrow::launch_rows<1>(p, fp16, programs, stream);
+  return stages == 2 && p.tma ? narrow::launch_rows<2>(p, fp16, programs, stream)
+                              : narrow::launch_rows<1>(p, fp16, programs, stream);
 }
 
 }  // namespace sm90_mla
