@@ -311,7 +311,7 @@ class MoELayer(nn.Module):
         With ``"nvfp4"`` it K-permutes ``w13`` and ``w2`` in place as :func:`flashinfer_moe.pack_nvfp4_weights`
         does (``H`` and ``I`` multiples of 64; the parameters then have shape `[E, N, K / 64, 32]`): the W4A16
         kernel then moves each thread's weight bytes out of shared memory in one instruction instead of eight
-        (docs/perf.md, NVFP4). By default (``split_bits`` None or True) they are packed as
+        (docs/perf-notes.md, NVFP4). By default (``split_bits`` None or True) they are packed as
         ``pack_nvfp4_weights(w)`` packs them, in split bits (parameters `[E, N, K / 8, 4]`); ``split_bits=False``
         K-permutes them only. A layer packed the other way is converted.
 

@@ -42,7 +42,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # widened to fp16, not bf16, with the queries (times the softmax scale) in fp16 too: E4M3 -> fp16 is one
 # conversion per two values, E4M3 -> bf16 several, and the widening is on the critical path there (on an H200
 # 1.2-1.4x faster up to 32 rows, 1.1x at page 1 with more; 0.84-0.87x with 64 rows or more at page 64,
-# docs/perf.md). fp16 holds every E4M3 value exactly; scaled queries beyond its range (65504) would overflow.
+# docs/perf-notes.md). fp16 holds every E4M3 value exactly; scaled queries beyond its range (65504) would overflow.
 FP8_F16_MATH = True
 FP8_F16_MAX_ROWS = 32
 

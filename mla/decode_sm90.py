@@ -40,7 +40,7 @@ SPEC = register(
 
 BLOCK_M = 64  # rows per CTA of the 64-row kernel; the plan's row blocks for both
 # FP8 pages of at most this many rows take the narrow kernel; 0 sends them to the 64-row one. On an H200 (page 64,
-# docs/perf.md) the narrow kernel is 1.21-1.32x faster there than the 64-row one (16 rows: than the Triton one).
+# docs/perf-notes.md) the narrow kernel is 1.21-1.32x faster there than the 64-row one (16 rows: than the Triton one).
 NARROW_MAX_ROWS = 32
 # The narrow kernel's fp16 stages where its tiles come by bulk copies (the one-tensor cache, pages of 64 tokens and
 # up): 2 lets the widening of one tile overlap the products of the one before (raw buffers of half tiles beside
@@ -50,7 +50,7 @@ NARROW_STAGES = 2
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 # Pages of at least this many tokens: the 64-row kernel's bf16/fp16 tiles by TMA (9 boxes a tile at page 64, issued
 # by one warp) instead of cp.async token rows; 0 keeps cp.async. The 64-row kernel takes TMA tiles at any page
-# size (a box per page and column block, so 576 a tile at page 1); on an H100 (docs/perf.md) they were 1.04-1.15x
+# size (a box per page and column block, so 576 a tile at page 1); on an H100 (docs/perf-notes.md) they were 1.04-1.15x
 # faster at page 64 with 128 (new token, head) rows and more, no faster at page 16 and about 5x slower at page 1.
 TMA_MIN_PAGE = 64
 # FP8 pages of the one-tensor cache of at least this many tokens: tiles by bulk copies (one a tile from page 64 on,

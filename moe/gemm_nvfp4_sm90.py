@@ -33,7 +33,7 @@ SPEC = register(
 
 TILES = (8, 16, 32, 64)  # tokens per CTA tile (wgmma's N)
 # Where it takes a call by default: masked capacities up to MAX_CAPACITY, contiguous groups of up to MAX_MEAN_ROWS
-# rows on average. On an H200 (docs/perf.md) it led the Triton kernel at 8 and 16 rows per expert (249 vs 274 us
+# rows on average. On an H200 (docs/perf-notes.md) it led the Triton kernel at 8 and 16 rows per expert (249 vs 274 us
 # and 260 vs 292 us for 32 experts at (4096, 7168)), tied it at 64 and trailed it at 128 rows; in fused_moe
 # (contiguous) it led at means of 1-4 rows per expert (DeepSeek-V3 layer, T = 1: 119 vs 141 us) and trailed at
 # 16 (E = 64, T = 128: 1153 vs 1088 us). Both paths are tested with the limits raised. A group larger than a tile

@@ -5,7 +5,7 @@ wgmma's register operand gives each thread, per 16 K (8 bytes of packed E2M1 cod
 layout the kernel moves its bytes out of shared memory one at a time (``LDS.U8``) and packs them with integer
 instructions, in a kernel that is bound by instruction issue. Permuted once at load time within every 32 bytes
 (64 K), a thread's bytes of four such groups lie together and one ``LDS.64`` moves them: on an H200 the masked
-decode GEMM measured 13-15% faster with them (docs/perf.md). Only the order of the bytes within each row
+decode GEMM measured 13-15% faster with them (docs/perf-notes.md). Only the order of the bytes within each row
 changes; the block scales and global scales are not touched.
 
 Layout of ``PackedNvfp4Weights.data``: `[E, N, K / 2]` uint8 like the plain weights; in each 32-byte span of a

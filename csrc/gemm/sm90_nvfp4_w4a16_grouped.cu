@@ -26,7 +26,7 @@
 // group's token tiles (one at decode). A ring of shared-memory stages, each 256 K of the activations (wgmma's B
 // operand: 128-byte swizzled rows), the CTA's weight rows and their block scales, is filled with cp.async by the whole
 // CTA. At 8-16 tokens the integer pipe (the expansion's masks and shifts) and the weight stream set the time; at 64
-// tokens, latency (docs/perf.md has the profiles).
+// tokens, latency (docs/perf.md and docs/perf-notes.md have the profiles).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
   // Fragment buffers: with two, a span's expansion runs while the previous span's wgmma group is in flight
   // (ptxas would otherwise give every span's fragments the same registers, see the span loop). Only for 8-token
   // tiles without the activation: elsewhere the extra 16 registers per thread, at the 128 that two CTAs per SM (or
-  // 512 threads) allow, measured slower (the gated 8-token tile 266 against 236 us, docs/perf.md).
+  // 512 threads) allow, measured slower (the gated 8-token tile 266 against 236 us, docs/perf-notes.md).
   constexpr int kBufs = (T == 8 && !GATED) ? 2 : 1;
   constexpr int kXBytes = T * kStageK * 2;
   constexpr int kStageBytes = stage_bytes(T, W);

@@ -37,7 +37,7 @@ constexpr int kOffL = kOffM + 256;
 constexpr int kOffBar = kOffL + 256;
 constexpr int kSmem = kOffBar + 64 + 1024;
 
-// The producer warpgroup for FP8 pages of more than kWsMinRows rows (on an H100, docs/perf.md: 1.28-1.43x faster
+// The producer warpgroup for FP8 pages of more than kWsMinRows rows (on an H100, docs/perf-notes.md: 1.28-1.43x faster
 // at page 64 with its bulk copies, 1.12-1.18x at page 1 from 128 rows; for bf16 pages it measured no faster).
 constexpr int kThreadsWs = 384, kWsMinRows = 32;
 // A CTA of 384 threads starts with 168 registers a thread and may hold no more in all (setmaxnreg.inc spins for
