@@ -100,7 +100,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.arch:
         arch, where = [a.strip() for a in args.arch.split(",")], ""
     else:
-        arch, where = jit.current_arch(), jit.core.arch_origin()
+        arch, where = jit.current_arch(), jit.arch.arch_origin()
     # Every family is checked against the targets before anything is compiled, so an unsupported GPU gets
     # one clear message per family instead of a compiler error partway through.
     plan, refused = [], []

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from flashinfer_moe.errors import JitError
-from flashinfer_moe.jit import core, runner
+from flashinfer_moe.jit import arch, core, runner
 
 PACKAGE_DIR = Path(core.__file__).resolve().parent.parent
 
@@ -272,7 +272,7 @@ def test_nvcc_version_is_memoized(env):
 
 def test_current_arch_from_env(monkeypatch):
     monkeypatch.setenv("FLASHINFER_MOE_CUDA_ARCH", "90a, 100a,90a")
-    assert core.current_arch() == ["90a", "100a"]
+    assert arch.current_arch() == ["90a", "100a"]
 
 
 def test_current_arch_without_gpu_or_env(monkeypatch):
@@ -280,7 +280,7 @@ def test_current_arch_without_gpu_or_env(monkeypatch):
     monkeypatch.delenv("FLASHINFER_MOE_CUDA_ARCH", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(JitError, match="no CUDA GPU is visible.*FLASHINFER_MOE_CUDA_ARCH.*--arch"):
-        core.current_arch()
+        arch.current_arch()
 
 
 def test_current_arch_from_visible_gpus(monkeypatch):
@@ -290,19 +290,19 @@ def test_current_arch_from_visible_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
-    assert core.current_arch() == ["90a", "80", "100a", "120a", "89"]
+    assert arch.current_arch() == ["90a", "80", "100a", "120a", "89"]
 
 
 @pytest.mark.parametrize("bad", ["9.0", "sm_90", "90x", "", "1000a", "9", "90aa"])
 def test_invalid_arch_is_rejected(env, bad):
     with pytest.raises(ValueError, match="arch"):
-        core.gencode_flags([bad])
+        arch.gencode_flags([bad])
     with pytest.raises(ValueError, match="arch"):
         core.build(env.spec, [bad])
 
 
 def test_gencode_flags():
-    assert core.gencode_flags(["90a", "100f", "89"]) == [
+    assert arch.gencode_flags(["90a", "100f", "89"]) == [
         "-gencode=arch=compute_90a,code=sm_90a",
         "-gencode=arch=compute_100f,code=sm_100f",
         "-gencode=arch=compute_89,code=sm_89",
@@ -669,7 +669,7 @@ def test_interrupted_compile_stops_ninja_and_leaves_nothing(env, monkeypatch):
 
 
 def test_compute_capability():
-    assert [core.compute_capability(a) for a in ("75", "80", "89", "90a", "100a", "121")] == [
+    assert [arch.compute_capability(a) for a in ("75", "80", "89", "90a", "100a", "121")] == [
         "7.5",
         "8.0",
         "8.9",
@@ -681,23 +681,23 @@ def test_compute_capability():
 
 def test_arch_problem_and_supported_archs(tmp_path):
     spec = core.KernelSpec("m", ("m.cu",), root=tmp_path, min_arch="80")
-    assert core.arch_problem(spec, "80") is None and core.arch_problem(spec, "100a") is None
-    assert core.arch_problem(spec, "75") == "kernel family 'm' needs sm_80 or newer (compute capability 8.0+)"
-    assert core.supported_archs(spec, ["75", "90a", "80"]) == ["90a", "80"]
-    with pytest.raises(core.UnsupportedArchError) as info:
-        core.supported_archs(spec, ["75"], "the visible GPUs' architecture")
+    assert arch.arch_problem(spec, "80") is None and arch.arch_problem(spec, "100a") is None
+    assert arch.arch_problem(spec, "75") == "kernel family 'm' needs sm_80 or newer (compute capability 8.0+)"
+    assert arch.supported_archs(spec, ["75", "90a", "80"]) == ["90a", "80"]
+    with pytest.raises(arch.UnsupportedArchError) as info:
+        arch.supported_archs(spec, ["75"], "the visible GPUs' architecture")
     assert str(info.value) == (
         "kernel family 'm' needs sm_80 or newer (compute capability 8.0+), not sm_75 (compute capability 7.5), "
         'the visible GPUs\' architecture; see "Supported GPUs" in the README'
     )
     exact = core.KernelSpec("h", ("h.cu",), root=tmp_path, archs=("90a",), min_arch="90a")
-    assert core.arch_problem(exact, "90a") is None
+    assert arch.arch_problem(exact, "90a") is None
     assert (
-        core.arch_problem(exact, "100a")
-        == core.arch_problem(exact, "80")
+        arch.arch_problem(exact, "100a")
+        == arch.arch_problem(exact, "80")
         == ("kernel family 'h' is written for sm_90a only")
     )
-    assert issubclass(core.UnsupportedArchError, JitError)
+    assert issubclass(arch.UnsupportedArchError, JitError)
 
 
 def test_kernel_spec_validates_its_min_arch(tmp_path):
@@ -710,11 +710,11 @@ def test_kernel_spec_validates_its_min_arch(tmp_path):
 def test_unsupported_arch_is_refused_before_nvcc_runs(env, monkeypatch):
     spec = dataclasses.replace(env.spec, min_arch="80")
     with pytest.raises(
-        core.UnsupportedArchError, match=r"'k' needs sm_80 or newer .*not sm_75 \(compute capability 7\.5\)"
+        arch.UnsupportedArchError, match=r"'k' needs sm_80 or newer .*not sm_75 \(compute capability 7\.5\)"
     ):
         core.build(spec, ["75"])
     monkeypatch.setenv("FLASHINFER_MOE_CUDA_ARCH", "75")
-    with pytest.raises(core.UnsupportedArchError, match="from FLASHINFER_MOE_CUDA_ARCH"):
+    with pytest.raises(arch.UnsupportedArchError, match="from FLASHINFER_MOE_CUDA_ARCH"):
         core.load(spec)
     assert env.calls() == [] and not env.cache.exists()  # not even `nvcc --version`
 
@@ -725,7 +725,7 @@ def test_first_call_on_an_unsupported_gpu_names_family_and_minimum(env, monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (7, 5))
-    with pytest.raises(core.UnsupportedArchError) as info:
+    with pytest.raises(arch.UnsupportedArchError) as info:
         core.load(dataclasses.replace(env.spec, min_arch="80"))
     message = str(info.value)
     assert "'k' needs sm_80 or newer" in message and "sm_75" in message and "visible GPUs'" in message

@@ -1,26 +1,22 @@
-"""Just-in-time compilation of the CUDA kernels in ``csrc/``, cached on disk; see ``core``."""
+"""Just-in-time compilation of the CUDA kernels in ``csrc/``, cached on disk; see ``core`` (and ``arch`` for the
+target architectures)."""
 
+from .arch import UnsupportedArchError, arch_problem, compute_capability, current_arch, gencode_flags, supported_archs
 from .core import (
     REGISTRY,
     KernelSpec,
-    UnsupportedArchError,
-    arch_problem,
     build,
     cache_key,
     cache_root,
     cache_size,
     clear_cache,
-    compute_capability,
     csrc_dir,
-    current_arch,
     find_nvcc,
-    gencode_flags,
     load,
     nvcc_flags,
     nvcc_version,
     register,
     source_files,
-    supported_archs,
 )
 
 __all__ = [

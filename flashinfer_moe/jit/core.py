@@ -4,7 +4,7 @@ A ``KernelSpec`` is a few ``.cu`` files that nvcc turns into one ``lib<name>.so`
 launchers, loaded with ctypes. A build is keyed by a hash of everything that can change the binary, lives
 in ``<cache_root>/<name>/<key>/`` and is published by an atomic rename, so nobody sees half a build; a
 per-key lock file lets one process (one torchrun rank) compile while the others wait for its result. The lock,
-ninja and the compile's log lines are in ``runner``.
+ninja and the compile's log lines are in ``runner``; the target architectures and their checks in ``arch``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,15 @@ from pathlib import Path
 from .. import envs
 from .._version import __version__
 from ..errors import JitError
+from .arch import (
+    _arch_number,
+    _checked_arch,
+    arch_origin,
+    arch_problem,
+    current_arch,
+    gencode_flags,
+    supported_archs,
+)
 from .runner import (
     _exclusive_lock,
     _is_executable,
@@ -41,16 +50,10 @@ logger = logging.getLogger("flashinfer_moe.jit")
 
 _RECIPE = "1"  # bump when the build procedure changes in a way the hashed inputs do not show
 _DEFAULT_NVCC = "/usr/local/cuda/bin/nvcc"
-_ARCH_RE = re.compile(r"^\d{2,3}[af]?$")
 _INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 _BASE_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", "-lineinfo")
 # Seconds between the lines that show a compile (or a wait for another process's compile) is still going.
 BUILD_COMMAND = "flashinfer-moe build"  # the reason `flashinfer-moe build` gives for its compiles
-SUPPORTED_GPUS_HINT = 'see "Supported GPUs" in the README'
-
-
-class UnsupportedArchError(JitError):
-    """A kernel family cannot be built for the target architecture(s): raised before nvcc is run."""
 
 
 @dataclass(frozen=True)
@@ -202,101 +205,6 @@ def nvcc_version(nvcc: str) -> str:
     except OSError as e:
         raise JitError(f"nvcc {nvcc!r} cannot be read: {e}") from e
     return _nvcc_version(real, st.st_mtime_ns, st.st_size)
-
-
-def current_arch() -> list[str]:
-    """Returns the target archs, e.g. ``["90a"]``: ``FLASHINFER_MOE_CUDA_ARCH``, else the visible GPUs'."""
-    wanted = envs.cuda_arch()
-    if wanted:
-        return list(dict.fromkeys(wanted))
-    try:
-        import torch  # here, not at module level: the JIT must import without a GPU stack
-    except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        raise JitError(
-            "no CUDA GPU is visible, so the target architecture is unknown; pass one with "
-            "FLASHINFER_MOE_CUDA_ARCH=90a or `flashinfer-moe build --arch 90a`"
-        )
-    caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
-    # From Hopper on, wgmma / tcgen05 exist only in the arch-specific ('a') targets.
-    return list(dict.fromkeys(f"{ma}{mi}a" if ma >= 9 else f"{ma}{mi}" for ma, mi in caps))
-
-
-def _checked_arch(arch: list[str], normalize: bool = False) -> list[str]:
-    arch = [arch] if isinstance(arch, str) else list(arch)
-    for a in arch:
-        if not isinstance(a, str) or not _ARCH_RE.match(a):
-            raise ValueError(f"invalid CUDA arch {a!r}: expected digits with an optional a/f suffix, e.g. 90a, 89")
-    if not arch:
-        raise ValueError("no CUDA arch given")
-    # Sorted for the key, so it does not depend on the order GPUs were enumerated in.
-    return sorted(set(arch), key=lambda a: (int(a.rstrip("af")), a)) if normalize else arch
-
-
-def gencode_flags(arch: list[str]) -> list[str]:
-    """nvcc flags embedding SASS for each arch.
-
-    Args:
-        arch: Arch strings such as ``["90a", "100a"]``.
-
-    Returns:
-        e.g. ``["-gencode=arch=compute_90a,code=sm_90a"]``.
-    """
-    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in _checked_arch(arch)]
-
-
-def _arch_number(arch: str) -> int:
-    return int(arch.rstrip("af"))
-
-
-def compute_capability(arch: str) -> str:
-    """The compute capability an arch string stands for, e.g. ``"8.0"`` for ``"80"``, ``"10.0"`` for ``"100a"``."""
-    number = _arch_number(_checked_arch([arch])[0])
-    return f"{number // 10}.{number % 10}"
-
-
-def arch_problem(spec: KernelSpec, arch: str) -> str | None:
-    """Why ``spec`` cannot be built for ``arch``, or None when it can.
-
-    Args:
-        spec: The kernel family.
-        arch: One target arch string, e.g. ``"75"``.
-
-    Returns:
-        e.g. ``"kernel family 'routing' needs sm_80 or newer (compute capability 8.0+)"``.
-    """
-    if spec.archs and arch not in spec.archs:
-        return f"kernel family {spec.name!r} is written for sm_{', sm_'.join(spec.archs)} only"
-    if spec.min_arch and _arch_number(arch) < _arch_number(spec.min_arch):
-        return (
-            f"kernel family {spec.name!r} needs sm_{spec.min_arch} or newer "
-            f"(compute capability {compute_capability(spec.min_arch)}+)"
-        )
-    return None
-
-
-def supported_archs(spec: KernelSpec, arch: list[str], where: str = "") -> list[str]:
-    """The archs of ``arch`` that ``spec`` can be built for; checked without running nvcc.
-
-    Args:
-        spec: The kernel family.
-        arch: Target arch strings.
-        where: Where ``arch`` came from, for the error message (e.g. ``"the visible GPU"``).
-
-    Returns:
-        The buildable ones, in their order.
-
-    Raises:
-        UnsupportedArchError: None is buildable; the message names the family and its requirement.
-    """
-    arch = _checked_arch(arch)
-    kept = [a for a in arch if arch_problem(spec, a) is None]
-    if not kept:
-        problem = arch_problem(spec, arch[0])
-        targets = ", ".join(f"sm_{a} (compute capability {compute_capability(a)})" for a in arch)
-        raise UnsupportedArchError(f"{problem}, not {targets}{f', {where}' if where else ''}; {SUPPORTED_GPUS_HINT}")
-    return kept
 
 
 def _compile_flags(spec: KernelSpec, arch: list[str], include_root: str, headers: list[str] | None = None) -> list[str]:
@@ -464,13 +372,6 @@ def _compile(spec: KernelSpec, arch: list[str], nvcc: str, key: str, final: Path
 
 
 _warned_below: set[tuple[str, ...]] = set()
-
-
-def arch_origin() -> str:
-    """Where ``current_arch()`` takes the archs from, in words (for messages)."""
-    if envs.cuda_arch():
-        return "from FLASHINFER_MOE_CUDA_ARCH"
-    return "the visible GPUs' architecture"
 
 
 def build(spec: KernelSpec, arch: list[str] | None = None, *, why: str | None = None) -> Path:
