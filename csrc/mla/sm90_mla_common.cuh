@@ -103,15 +103,17 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 // A tile's copies are made by one warpgroup: its warp w copies tokens 16 w .. 16 w + 15, lane l their 16-byte chunks l,
 // l + 32 (latent) and, for l < 8, 64 + l (rope), so that each copy instruction of a warp reads 512 contiguous
 // bytes. Lane j < 16 looks token 16 w + j's row up (`Rows`) and the warp shares it; tokens from `hi` on read
-// zeros.
+// zeros. PER (look_up, copy_rows_fp8): token rows a warp copies, 16 for a whole tile (the narrow kernel's half-tile
+// buffers take 8).
 struct Rows {
   int64_t lat, rope;  // byte offsets of the latent and rope rows
   bool ok;
 };
 
+template <int PER = 16>
 __device__ __forceinline__ Rows look_up(const Params& p, const int32_t* bt_row, int t0, int hi, int warp, int lane,
                                         int elem) {
-  const int tok = t0 + warp * 16 + (lane & 15);
+  const int tok = t0 + warp * PER + (lane & (PER - 1));
   Rows r;
   r.ok = tok < hi;
   const int64_t page = r.ok ? bt_row[tok >> p.page_shift] : 0;
@@ -166,17 +168,18 @@ __device__ __forceinline__ void zero_rows(uint32_t stage, int valid, int t) {
   }
 }
 
-// FP8 pages: a tile's copies land as [64 rows][576 bytes] in the upper half of its stage (kFp8Off on), each warp
-// instruction reading 512 contiguous bytes of one row.
+// FP8 pages: a tile's copies land as [64 rows][576 bytes] at `raw` (the 64-row kernel: the upper half of its
+// stage, kFp8Off on), each warp instruction reading 512 contiguous bytes of one row.
 constexpr int kFp8Off = kImage / 2;  // the wide kernel's FP8 landing place in a stage
 
-__device__ __forceinline__ void copy_rows_fp8(const Params& p, uint32_t stage, const Rows& rows, int warp, int lane) {
+template <int PER = 16>
+__device__ __forceinline__ void copy_rows_fp8(const Params& p, uint32_t raw, const Rows& rows, int warp, int lane) {
   const char* ckv = static_cast<const char*>(p.ckv) + lane * 16;
   const char* kpe = static_cast<const char*>(p.kpe) + (lane & 3) * 16;
-  const uint32_t dst = stage + kFp8Off + lane * 16;
+  const uint32_t dst = raw + lane * 16;
 #pragma unroll 4
-  for (int j = 0; j < 16; ++j) {
-    const int r = warp * 16 + j;
+  for (int j = 0; j < PER; ++j) {
+    const int r = warp * PER + j;
     const int64_t lat = __shfl_sync(0xffffffffu, rows.lat, j);
     const int64_t rope = __shfl_sync(0xffffffffu, rows.rope, j);
     const int bytes = __shfl_sync(0xffffffffu, rows.ok, j) ? 16 : 0;
@@ -185,14 +188,15 @@ __device__ __forceinline__ void copy_rows_fp8(const Params& p, uint32_t stage, c
   }
 }
 
-// One-tensor FP8 cache, pages of 64 tokens and more: the tile at token t0 is 64 whole rows of one page, 36864
-// contiguous bytes: one bulk copy, issued by one thread and completing on `bar` (armed here). Rows past the
-// sequence's end come as the page holds them; the widening clears them.
+// One-tensor FP8 cache, pages of 64 tokens and more: the BYTES / 576 rows from token t0 (a tile: 64, 36864 bytes)
+// lie in one page, contiguous: one bulk copy, issued by one thread and completing on `bar` (armed here). Rows past
+// the sequence's end come as the page holds them; the widening clears them.
+template <int BYTES = kRaw>
 __device__ __forceinline__ void bulk_raw(const Params& p, const int32_t* bt_row, int t0, uint32_t raw, uint64_t* bar) {
   const int64_t page = bt_row[t0 >> p.page_shift];
   const int slot = t0 & ((1 << p.page_shift) - 1);
-  sm90_wgmma::bar_expect_tx(bar, kRaw);
-  sm90_wgmma::bulk_load(raw, static_cast<const char*>(p.ckv) + page * p.ckv_p + slot * p.ckv_t, kRaw, bar);
+  sm90_wgmma::bar_expect_tx(bar, BYTES);
+  sm90_wgmma::bulk_load(raw, static_cast<const char*>(p.ckv) + page * p.ckv_p + slot * p.ckv_t, BYTES, bar);
 }
 
 // Any page size, by the 32 lanes of one warp: below page 64, one bulk copy per page of the tile that holds tokens

@@ -101,7 +101,7 @@ __device__ __forceinline__ void issue_tile(const Params& p, const int32_t* bt_ro
   }
   const Rows rows = look_up(p, bt_row, t0, hi, warp, lane, FP8 ? 1 : 2);
   if constexpr (FP8) {
-    copy_rows_fp8(p, stage, rows, warp, lane);
+    copy_rows_fp8(p, stage + kFp8Off, rows, warp, lane);
   } else {
     copy_rows(p, stage, rows, warp, lane);
   }

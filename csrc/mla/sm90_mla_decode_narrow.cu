@@ -60,50 +60,6 @@ __device__ __forceinline__ void sts16(uint32_t addr, uint16_t v) {
   asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
 }
 
-// A raw buffer's token rows t0 .. t0 + 4 PER - 1, looked up: lane j < PER of warp w looks token t0 + PER w + j
-// up, and the warp shares it (tokens from `hi` on read zeros).
-template <int PER>
-__device__ __forceinline__ Rows look_up_rows(const Params& p, const int32_t* bt_row, int t0, int hi, int warp,
-                                             int lane) {
-  const int tok = t0 + warp * PER + (lane & (PER - 1));
-  Rows r;
-  r.ok = tok < hi;
-  const int64_t page = r.ok ? bt_row[tok >> p.page_shift] : 0;
-  const int64_t slot = r.ok ? tok & ((1 << p.page_shift) - 1) : 0;
-  r.lat = page * p.ckv_p + slot * p.ckv_t;
-  r.rope = page * p.kpe_p + slot * p.kpe_t;
-  return r;
-}
-
-// FP8 rows into a raw buffer [4 PER rows][576 bytes] by warpgroup 1: warp w copies rows PER w .. PER w + PER - 1,
-// each copy instruction 512 contiguous bytes of one row.
-template <int PER>
-__device__ __forceinline__ void copy_raw(const Params& p, uint32_t raw, const Rows& rows, int warp, int lane) {
-  const char* ckv = static_cast<const char*>(p.ckv) + lane * 16;
-  const char* kpe = static_cast<const char*>(p.kpe) + (lane & 3) * 16;
-  const uint32_t dst = raw + lane * 16;
-#pragma unroll 4
-  for (int j = 0; j < PER; ++j) {
-    const int r = warp * PER + j;
-    const int64_t lat = __shfl_sync(0xffffffffu, rows.lat, j);
-    const int64_t rope = __shfl_sync(0xffffffffu, rows.rope, j);
-    const int bytes = __shfl_sync(0xffffffffu, rows.ok, j) ? 16 : 0;
-    cp_async_16(dst + r * kChunks * 8, ckv + lat, bytes);
-    if (lane < 4) cp_async_16(dst + r * kChunks * 8 + 512, kpe + rope, bytes);
-  }
-}
-
-// One-tensor cache, pages of 64 tokens and more: rows t0 .. t0 + BYTES / 576 - 1 lie in one page, contiguous, so
-// one bulk copy, issued by one thread and completing on `bar` (armed here). Rows past the sequence's end come as
-// the page holds them; the widening clears them.
-template <int BYTES>
-__device__ __forceinline__ void bulk_rows(const Params& p, const int32_t* bt_row, int t0, uint32_t raw, uint64_t* bar) {
-  const int64_t page = bt_row[t0 >> p.page_shift];
-  const int slot = t0 & ((1 << p.page_shift) - 1);
-  sm90_wgmma::bar_expect_tx(bar, BYTES);
-  sm90_wgmma::bulk_load(raw, static_cast<const char*>(p.ckv) + page * p.ckv_p + slot * p.ckv_t, BYTES, bar);
-}
-
 template <bool QF16, int N, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __grid_constant__ Params p) {
   using T = typename std::conditional<QF16, __half, __nv_bfloat16>::type;
@@ -168,11 +124,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
       for (int i = 0; i < S::bufs && i < nsegs; ++i) {
         const uint32_t r = (seg0 + i) % S::bufs, raw = s_raw + r * S::seg_bytes;
         if (bulk) {
-          if (t == 0) bulk_rows<S::seg_bytes>(p, bt_row, tok_lo + i * S::seg, raw, &full[r]);
+          if (t == 0) bulk_raw<S::seg_bytes>(p, bt_row, tok_lo + i * S::seg, raw, &full[r]);
           continue;
         }
-        const Rows rows = look_up_rows<S::per_warp>(p, bt_row, tok_lo + i * S::seg, tok_hi, warp, lane);
-        copy_raw<S::per_warp>(p, raw, rows, warp, lane);
+        const Rows rows = look_up<S::per_warp>(p, bt_row, tok_lo + i * S::seg, tok_hi, warp, lane, 1);
+        copy_rows_fp8<S::per_warp>(p, raw, rows, warp, lane);
         cp_async_arrive(&full[r]);
       }
     }
@@ -335,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
       // tile's fp16 stage once warpgroup 0 is done with that stage's previous tile.
       Rows next{};
       if (!bulk && S::bufs < nsegs)
-        next = look_up_rows<S::per_warp>(p, bt_row, tok_lo + S::bufs * S::seg, tok_hi, warp, lane);
+        next = look_up<S::per_warp>(p, bt_row, tok_lo + S::bufs * S::seg, tok_hi, warp, lane, 1);
       for (int i = 0; i < ntiles; ++i) {
         const uint32_t g = tiles_done + i, stage = base + L::stage + (g % STAGES) * kImage;
 #pragma unroll
@@ -356,12 +312,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
               if ((j * 128 + t) / 36 >= valid) v[j] = make_uint4(0u, 0u, 0u, 0u);
             }
             if (t == 0 && j0 + S::bufs < nsegs)
-              bulk_rows<S::seg_bytes>(p, bt_row, tok_lo + (j0 + S::bufs) * S::seg, raw, &full[r]);
+              bulk_raw<S::seg_bytes>(p, bt_row, tok_lo + (j0 + S::bufs) * S::seg, raw, &full[r]);
           } else if (j0 + S::bufs < nsegs) {
-            copy_raw<S::per_warp>(p, raw, next, warp, lane);
+            copy_rows_fp8<S::per_warp>(p, raw, next, warp, lane);
             cp_async_arrive(&full[r]);
             if (j0 + S::bufs + 1 < nsegs)
-              next = look_up_rows<S::per_warp>(p, bt_row, tok_lo + (j0 + S::bufs + 1) * S::seg, tok_hi, warp, lane);
+              next = look_up<S::per_warp>(p, bt_row, tok_lo + (j0 + S::bufs + 1) * S::seg, tok_hi, warp, lane, 1);
           }
           // Warpgroup 0 is done with this stage's previous tile.
           if (h == 0 && g >= STAGES) bar_wait(&empty[g % STAGES], ((g - STAGES) / STAGES) & 1);
