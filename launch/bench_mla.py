@@ -124,10 +124,11 @@ def forced_path(path: str):
     kernel instead of the narrow one (``decode_sm90.NARROW_MAX_ROWS`` 0); ``cpasync``: the 64-row CUDA kernel's
     tiles by cp.async token rows where it would take them by TMA (``decode_sm90.TMA_MIN_PAGE`` 0); ``tma_all``: by
     TMA at every page size (``TMA_MIN_PAGE`` 1); ``one_stage``: the narrow kernel with one fp16 stage
-    (``decode_sm90.NARROW_STAGES`` 1); ``new``: the default."""
+    (``decode_sm90.NARROW_STAGES`` 1, ``NARROW_RS`` off); ``f16_stages``: the narrow kernel with its fp16 stages
+    instead of the one without images (``NARROW_RS`` off); ``new``: the default."""
     saved, saved_f16, saved_env = D.TMA_CONFIGS, DK.FP8_F16_MATH, os.environ.get(BACKEND_ENV)
     saved_narrow, saved_tma = decode_sm90.NARROW_MAX_ROWS, decode_sm90.TMA_MIN_PAGE
-    saved_stages = decode_sm90.NARROW_STAGES
+    saved_stages, saved_rs = decode_sm90.NARROW_STAGES, decode_sm90.NARROW_RS
     if path in ("old", "triton"):
         os.environ[BACKEND_ENV] = "triton"
     if path == "old":
@@ -138,6 +139,8 @@ def forced_path(path: str):
         decode_sm90.NARROW_MAX_ROWS = 0
     if path == "one_stage":
         decode_sm90.NARROW_STAGES = 1
+    if path in ("one_stage", "f16_stages"):
+        decode_sm90.NARROW_RS = False
     if path in ("cpasync", "tma_all"):
         decode_sm90.TMA_MIN_PAGE = 0 if path == "cpasync" else 1
     try:
@@ -145,7 +148,7 @@ def forced_path(path: str):
     finally:
         D.TMA_CONFIGS, DK.FP8_F16_MATH = saved, saved_f16
         decode_sm90.NARROW_MAX_ROWS, decode_sm90.TMA_MIN_PAGE = saved_narrow, saved_tma
-        decode_sm90.NARROW_STAGES = saved_stages
+        decode_sm90.NARROW_STAGES, decode_sm90.NARROW_RS = saved_stages, saved_rs
         if saved_env is None:
             os.environ.pop(BACKEND_ENV, None)
         else:
@@ -417,7 +420,8 @@ def main() -> int:
         "--paths",
         default="new",
         help="triton (Triton kernel), old (Triton, gathered loads), fp8_bf16 (FP8 widened to bf16), wide (FP8 up "
-        "to 32 rows on the 64-row CUDA kernel), new (default)",
+        "to 32 rows on the 64-row CUDA kernel), one_stage / f16_stages (FP8 up to 32 rows on the narrow kernel with "
+        "one / two fp16 stages), new (default); see forced_path",
     )
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)

@@ -1,7 +1,7 @@
 """The Hopper paged MLA decode written in CUDA, for bf16/fp16 or FP8 pages of any page size, tiles of 64 tokens
 copied with cp.async one token row at a time (so page 1 loads like page 64; bf16/fp16 pages of ``TMA_MIN_PAGE``
 tokens and more by TMA boxes instead) and read by wgmma in shared memory (FP8 tiles widened to fp16 there first,
-the queries scaled into fp16). Two kernels:
+the queries scaled into fp16). Three kernels:
 
 - ``csrc/mla/sm90_mla_decode.cu``: 64 (new token, head) rows per CTA, two warpgroups sharing the 512 output
   columns; bf16/fp16 pages, and FP8 pages of more than ``NARROW_MAX_ROWS`` rows (these with a third warpgroup that
@@ -9,8 +9,12 @@ the queries scaled into fp16). Two kernels:
 - ``csrc/mla/sm90_mla_decode_narrow.cu``: FP8 pages of up to ``NARROW_MAX_ROWS`` rows (16 heads and one or two new
   tokens, say), the products transposed so that the rows are wgmma's N side (16 or 32) instead of 64 rows of
   which most would be padding.
+- ``csrc/mla/sm90_mla_decode_narrow_rs.cu``: the same rows and products without fp16 images, for bf16 queries
+  (``NARROW_RS``): the scores by FP8 wgmma on the tile as it landed (by TMA for the one-tensor cache from page 64
+  on, else by cp.async token rows), the queries split exactly into two FP8 parts, and the values' operand widened
+  in registers.
 
-Both walk the same split-KV schedule as the Triton kernel (``mla/plan_kernel.py``; a plan made for them has 64-row
+All walk the same split-KV schedule as the Triton kernel (``mla/plan_kernel.py``; a plan made for them has 64-row
 blocks and one CTA per SM) and write split pieces to the same workspace, merged by the same combine kernel. FP8
 latent pages beside bf16/fp16 rope pages, other GPUs and ``FLASHINFER_MOE_MLA_BACKEND=triton`` stay on the Triton
 kernel (``mla/decode_kernel.py``).
@@ -32,7 +36,12 @@ from .decode_checks import FP8
 SPEC = register(
     KernelSpec(
         "mla_decode_sm90",
-        ("mla/sm90_mla_decode.cu", "mla/sm90_mla_decode_narrow.cu", "gemm/sm90_common.cu"),
+        (
+            "mla/sm90_mla_decode.cu",
+            "mla/sm90_mla_decode_narrow.cu",
+            "mla/sm90_mla_decode_narrow_rs.cu",
+            "gemm/sm90_common.cu",
+        ),
         archs=("90a",),  # wgmma: sm_90a exactly
         min_arch="90a",
     )
@@ -47,6 +56,10 @@ NARROW_MAX_ROWS = 32
 # them; 1.04-1.09x at 16 and 32 rows on an H200, docs/perf.md), 1 alternates the two around one stage (raw buffers
 # of whole tiles), as token-row copies always do (two stages measured 0.81-0.85x there).
 NARROW_STAGES = 2
+# FP8 pages of up to NARROW_MAX_ROWS rows under bf16 queries: the narrow kernel without fp16 images
+# (csrc/mla/sm90_mla_decode_narrow_rs.cu: the scores by FP8 wgmma on the tile as it landed, the queries split into
+# two FP8 parts; the values from fragments widened in registers); False keeps the fp16 stages (as fp16 queries do).
+NARROW_RS = True
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 # Pages of at least this many tokens: the 64-row kernel's bf16/fp16 tiles by TMA (9 boxes a tile at page 64, issued
 # by one warp) instead of cp.async token rows; 0 keeps cp.async. The 64-row kernel takes TMA tiles at any page
@@ -128,7 +141,7 @@ def launch(q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_
         int(ckv.dtype == FP8),
         kv_scale.data_ptr() if isinstance(kv_scale, torch.Tensor) else None,
         1.0 if kv_scale is None or isinstance(kv_scale, torch.Tensor) else float(kv_scale),
-        NARROW_STAGES if ckv.dtype == FP8 and s_q * heads <= NARROW_MAX_ROWS else 0,
+        (3 if NARROW_RS else NARROW_STAGES) if ckv.dtype == FP8 and s_q * heads <= NARROW_MAX_ROWS else 0,
         ckv.shape[0],
         int(0 < (BULK_MIN_PAGE if ckv.dtype == FP8 else TMA_MIN_PAGE) <= page),
         num_programs,

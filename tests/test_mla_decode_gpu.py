@@ -89,6 +89,7 @@ def test_fp8_bulk_tiles_equal_cp_async_tiles(rng, monkeypatch, page, heads, s_q)
     not copied) cleared while widening, against the cp.async token rows: bit-equal, and against float64."""
     seed, g = rng
     case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, FP8, device=DEV)
+    monkeypatch.setattr(decode_sm90, "NARROW_RS", False)  # the narrow kernel with fp16 stages (bulk or token rows)
     _assert_tma_equals_cp_async(monkeypatch, case, seed)
 
 
@@ -104,12 +105,47 @@ def test_fp8_narrow_two_stages_equal_one(rng, monkeypatch, page, heads, s_q, num
     seed, g = rng
     case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, FP8, device=DEV)
     _backend(monkeypatch, "auto", case)
+    monkeypatch.setattr(decode_sm90, "NARROW_RS", False)
     got = {}
     for stages in (2, 1):
         monkeypatch.setattr(decode_sm90, "NARROW_STAGES", stages)
         got[stages] = run_decode(case, SM_SCALE, num_sms=num_sms)
     assert_close(*got[2], *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"seed {seed}", lse_tol=lse_tol(case))
     assert torch.equal(got[2][0], got[1][0]) and torch.equal(got[2][1], got[1][1]), f"seed {seed}"
+
+
+@pytest.mark.parametrize("page, split", [(1, False), (16, True), (64, False), (128, False), (64, True)])
+@pytest.mark.parametrize("heads, s_q", [(16, 1), (16, 2), (32, 1), (5, 3), (7, 1), (10, 3)])
+@pytest.mark.parametrize("num_sms", [None, 3])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_fp8_narrow_without_images(rng, monkeypatch, page, split, heads, s_q, num_sms, q_dtype):
+    """The narrow kernel without fp16 images (FP8 pages, bf16 queries; scores by FP8 wgmma with the queries in two
+    FP8 parts, values widened in registers; tiles by TMA for the one-tensor cache from page 64 on, else by cp.async
+    token rows) against float64 on the full length mix with NaN-poisoned pools, planned for every SM or for 3, and
+    against the kernel with fp16 stages, which rounds the queries otherwise: equal outputs would mean that the call
+    fell back to it (as fp16 queries do)."""
+    seed, g = rng
+    case = make_case(g, MIX, s_q, heads, page, q_dtype, FP8, split=split, device=DEV)
+    _backend(monkeypatch, "auto", case)
+    got = {}
+    for rs in (True, False):
+        monkeypatch.setattr(decode_sm90, "NARROW_RS", rs)
+        got[rs] = run_decode(case, SM_SCALE, num_sms=num_sms)
+    want = reference(case, SM_SCALE, device=DEV)
+    for rs in (True, False):
+        assert_close(*got[rs], *want, q_dtype, f"seed {seed}, NARROW_RS {rs}", lse_tol=lse_tol(case))
+    if q_dtype == torch.bfloat16:
+        assert not torch.equal(got[True][0], got[False][0]), f"seed {seed}: the same output as the fp16 stages"
+
+
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("heads, s_q", [(16, 1), (32, 1), (7, 2)])
+def test_fp8_narrow_without_images_tma_equals_cp_async(rng, monkeypatch, page, heads, s_q):
+    """The narrow kernel without fp16 images with its tiles by TMA (rows past a sequence's end as the poisoned
+    page holds them, masked) and by cp.async token rows (zeros there): bit-equal, and against float64."""
+    seed, g = rng
+    case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, FP8, device=DEV)
+    _assert_tma_equals_cp_async(monkeypatch, case, seed)
 
 
 # Rows (heads x s_q) across the kernels' bounds: FP8 up to 32 rows on the narrow kernel, more on the 64-row one with

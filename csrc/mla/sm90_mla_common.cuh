@@ -60,6 +60,12 @@ struct Params {
 // or two (`stages` 2, taken only where p.tma: bulk copies); returns a cudaError_t code.
 int launch_narrow(const Params& p, bool fp16, int stages, int programs, cudaStream_t stream);
 
+// The narrow kernel without fp16 images (sm90_mla_decode_narrow_rs.cu): bf16 queries, FP8 pages (latent and rope),
+// up to 32 rows; tiles by TMA where p.tma (through p.map_ckv as encode_fp8_tiles makes it for the one-tensor cache,
+// pages of 64 tokens and more), else by cp.async token rows; returns a cudaError_t code.
+bool encode_fp8_tiles(CUtensorMap* map, const void* base, int page, int64_t num_pages, int64_t page_stride);
+int launch_narrow_rs(const Params& p, int programs, cudaStream_t stream);
+
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 using sm90_nvfp4::cp_async_16;

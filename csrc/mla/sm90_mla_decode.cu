@@ -512,7 +512,8 @@ extern "C" {
 // Strides in elements: q_nope, q_pe (b, s, h), ckv and kpe (page, token), block table (b), out (b, s, h), lse (b, s,
 // h). fp8: E4M3 pages (latent and rope) dequantized by *kv_scale (a device pointer) or, where it is null,
 // kv_scale_value; narrow (with fp8, up to 32 rows): the kernel of sm90_mla_decode_narrow.cu with that many fp16
-// stages (1 or 2; 2 only where its tiles come by bulk copies). Returns a cudaError_t code.
+// stages (1 or 2; 2 only where its tiles come by bulk copies), or 3: the one of sm90_mla_decode_narrow_rs.cu for bf16
+// queries, else 2 stages. Returns a cudaError_t code.
 int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const void* kpe, const int32_t* block_table,
                         const int32_t* seq_lens, const int32_t* sched, float* part_out, float* part_lse, void* out,
                         float* lse, const int64_t* strides, int batch, int s_q, int heads, int page_shift,
@@ -555,7 +556,13 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
     // 0.97-1.08x its token rows at page 16 (16-32 rows, an H100) and made ptxas spill. Two fp16 stages only with
     // bulk copies: with token rows into half-tile buffers it measured 0.81-0.85x one stage (an H200).
     p.tma = bulk && page >= fim::sm90_mla::kTile;
-    return fim::sm90_mla::launch_narrow(p, fp16, narrow, programs, stream);
+    // narrow 3: for bf16 queries the kernel without fp16 images (its tiles by TMA where its map encodes, else by
+    // cp.async token rows); fp16 queries take two fp16 stages.
+    if (narrow == 3 && !fp16) {
+      p.tma = p.tma && fim::sm90_mla::encode_fp8_tiles(&p.map_ckv, ckv, page, num_pages, p.ckv_p);
+      return fim::sm90_mla::launch_narrow_rs(p, programs, stream);
+    }
+    return fim::sm90_mla::launch_narrow(p, fp16, narrow == 3 ? 2 : narrow, programs, stream);
   }
   const int row_blocks = (p.rows + fim::sm90_mla::kRows - 1) / fim::sm90_mla::kRows;
   using fim::sm90_mla::launch;

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "gemm/sm90_wgmma_common.cuh"
+
 namespace fim {
 namespace sm90_mla {
 
@@ -114,6 +116,51 @@ __device__ __forceinline__ void mma_narrow(float (&d)[N / 2], uint64_t desc_a, u
 }
 #undef FIM_MLA_WGMMA_N16
 #undef FIM_MLA_WGMMA_N32
+
+// The register-operand narrow kernel's products (sm90_mla_decode_narrow_rs.cu). Scores: the FP8 tile (A) times the
+// queries' two FP8 parts (B, NB = 2 x the query rows), both K-major in shared memory. Values: fp16 fragments of the
+// tile's latent columns (A, in registers) times P^T (B, K-major), accumulating.
+
+#define FIM_MLA_WGMMA_FP8_N32                                                                                       \
+  asm volatile(                                                                                                     \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                                  \
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "    \
+      "%12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"                                                                \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                    \
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
+template <int NB>
+__device__ __forceinline__ void mma_scores_fp8(float (&d)[NB / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (NB == 32) {
+    FIM_MLA_WGMMA_FP8_N32;
+  } else {
+    static_assert(NB == 64, "two parts of 16 or 32 query rows");
+    sm90_wgmma::wgmma_m64n64k32(d, desc_a, desc_b, accumulate);
+  }
+}
+#undef FIM_MLA_WGMMA_FP8_N32
+
+template <int N>
+__device__ __forceinline__ void mma_values_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (N == 16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
+        "%12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  } else {
+    static_assert(N == 32, "16 or 32 query rows");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+        "%13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  }
+}
 
 #endif
 

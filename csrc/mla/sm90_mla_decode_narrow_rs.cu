@@ -1,0 +1,526 @@
+// Paged MLA decode on Hopper (sm_90a) for FP8 (E4M3) pages, bf16 queries and at most 32 (new token, head) rows: the
+// narrow kernel's transposed products (sm90_mla_decode_narrow.cu) without its fp16 image of each tile, whose writing
+// and reading were most of that kernel's shared-memory traffic:
+//   scores^T [64 tokens, 2N] = tile [64, 576] . [Q_hi; Q_lo]^T   FP8 wgmma, both operands as they lie in shared memory
+//   out^T [512, N]          += tile^T [512, 64] . P^T            fp16 wgmma, A widened from the FP8 bytes in registers
+// Q_hi and Q_lo are the bf16 queries (times a power of two per row) rounded to E4M3 and the remainder times 16:
+// a bf16 value's 8 significant bits leave a remainder of at most 8 units of its last place, which E4M3 holds
+// exactly, so Q_hi + Q_lo / 16 is the query itself and the scores take the FP8 tensor cores at no cost in accuracy
+// (the softmax scale multiplies the fp32 scores). fp16 queries (11 significant bits) stay on the other kernel.
+//
+// Three warpgroups. The copying one (its registers given to the other two) brings each tile into one of 3 or 4
+// buffers as a 128-byte swizzled [5 column blocks][64 rows][128 bytes] image (latent columns 0-511, then 448-575 for
+// the rope): by TMA from one thread where the one-tensor cache's pages hold whole tiles, else by cp.async token
+// rows. Warpgroup 0 computes the scores and the online softmax and hands P^T and the rescale factors to warpgroup 1
+// through two slots; warpgroup 1 reads the tile's latent columns with ldmatrix.trans (tokens along wgmma's K side),
+// widens them to fp16 in registers (E4M3 -> fp16 is exact) and accumulates the output, then frees the tile and the
+// slot, so warpgroup 0 works on tile i + 1 while warpgroup 1 works on tile i. Same schedule, workspace and combine
+// as the other decode kernels.
+#include "mla/sm90_mla_common.cuh"
+
+namespace fim {
+namespace sm90_mla {
+namespace narrow_rs {
+
+constexpr int kTileBytes = 5 * kBlock;               // [5 column blocks][64 rows][128 bytes]
+constexpr int kThreadsRs = 384;                      // warpgroups 0 and 1 compute, 2 copies
+constexpr int kRopeCol = 448;                        // the fifth block's first column: its bytes 64-127 are the rope
+constexpr int kBarMax = 6, kBarQ = 9, kBarOut = 10;  // named barriers (kBarOut: both warpgroups)
+
+// Q's FP8 parts [5 blocks][2N rows][128 bytes], the queries as they come [9 blocks][N rows][64 columns] (16-bit),
+// the tile buffers, P^T [2 slots][N rows][64 tokens], the rescale factors [2][N], the maxima exchange [2][4][N],
+// the sums [4][N], the output factors [2][N], Q's row factors [N], barriers; 1024 bytes of slack for alignment.
+template <int N>
+struct Layout {
+  static constexpr int kStages = N == 16 ? 4 : 3;  // tiles in flight, as many as fit
+  static constexpr int q_block = 2 * N * 128;
+  static constexpr int qin = 5 * q_block;
+  static constexpr int raw = qin + 9 * N * 128;
+  static constexpr int p = raw + kStages * kTileBytes;
+  static constexpr int alpha = p + 2 * N * 128;
+  static constexpr int red = alpha + 2 * N * 4;
+  static constexpr int sums = red + 2 * 4 * N * 4;
+  static constexpr int inv = sums + 4 * N * 4;
+  static constexpr int rinv = inv + 2 * N * 4;
+  static constexpr int bars = rinv + N * 4;
+  static constexpr int bytes = bars + 8 * (2 * kStages + 4) + 1024;
+  static_assert(raw % 1024 == 0 && p % 1024 == 0 && bars % 8 == 0, "swizzled operands start at an atom");
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ void wg_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+
+__device__ __forceinline__ void sts16(uint32_t addr, uint16_t v) {
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
+}
+
+__device__ __forceinline__ void sts64(uint32_t addr, uint32_t a, uint32_t b) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Two floats to two E4M3 bytes (a in the low byte), rounded to nearest.
+__device__ __forceinline__ uint32_t e4m3x2(float a, float b) {
+  uint16_t v;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(v) : "f"(b), "f"(a));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
+  uint32_t w;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(w) : "h"(static_cast<uint16_t>(pair)));
+  return w;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
+  return r;
+}
+
+// Q's two FP8 parts from the bf16 queries landed at s_qin (a [9][N][64] image), by warpgroup 0: warp w takes rows
+// w, w + 4, ...; each row's factor, a power of two, puts its largest value at 224-448; s_rinv gets its inverse. Column
+// c of the row lies in block c / 128 (c < 512) or 4 (the rope, bytes 64 on) of the parts' image.
+template <int N>
+__device__ __forceinline__ void split_queries(uint32_t s_qin, uint32_t s_q, float* s_rinv, int warp, int lane) {
+  using L = Layout<N>;
+  for (int n = warp; n < N; n += 4) {
+    float v[3][8];
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+      const int ch = lane + 32 * j;
+      uint4 w = make_uint4(0u, 0u, 0u, 0u);
+      if (ch < kChunks) w = sm90_wgmma::lds128(s_qin + chunk_offset<N>(n, ch));
+      const uint32_t in[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[k]));
+        v[j][2 * k] = f.x;
+        v[j][2 * k + 1] = f.y;
+        amax = fmaxf(amax, fmaxf(fabsf(v[j][2 * k]), fabsf(v[j][2 * k + 1])));
+      }
+    }
+#pragma unroll
+    for (int x = 1; x < 32; x <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, x));
+    // The largest power of two at most 448 / amax (its exponent bits), capped where amax is tiny or zero.
+    const float f = amax > 0.f ? fminf(__int_as_float(__float_as_int(448.f / amax) & 0x7f800000), 0x1p100f) : 1.f;
+    if (lane == 0) s_rinv[n] = 1.f / f;
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+      const int ch = lane + 32 * j;
+      if (ch >= kChunks) continue;
+      uint32_t hi[2], lo[2];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float a = v[j][2 * k] * f, b = v[j][2 * k + 1] * f;
+        const uint32_t h = e4m3x2(a, b), hw = e4m3x2_to_f16x2(h);
+        const float2 hf = __half22float2(*reinterpret_cast<const __half2*>(&hw));
+        const uint32_t l = e4m3x2((a - hf.x) * 16.f, (b - hf.y) * 16.f);
+        if (k & 1) {
+          hi[k >> 1] |= h << 16;
+          lo[k >> 1] |= l << 16;
+        } else {
+          hi[k >> 1] = h;
+          lo[k >> 1] = l;
+        }
+      }
+      const int col = ch * 8;
+      const int blk = col < 512 ? col >> 7 : 4, byte = col < 512 ? col & 127 : 64 + col - 512;
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {
+        const int row = n + part * N;
+        const uint32_t addr = s_q + blk * L::q_block + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 8));
+        sts64(addr, part ? lo[0] : hi[0], part ? lo[1] : hi[1]);
+      }
+    }
+  }
+}
+
+// A tile's FP8 token rows by cp.async into the swizzled [5 blocks][64 rows][128 bytes] image, by the copying
+// warpgroup: warp w's rows 16 w .. 16 w + 15 (looked up one tile ahead, `rows`), lane l the latent chunk l (block
+// l / 8) and, for l < 4, rope chunk l (block 4, chunk 4 + l); rows past the sequence's end read zeros.
+__device__ __forceinline__ void copy_rows_swizzled(const Params& p, uint32_t dst, const Rows& rows, int warp,
+                                                   int lane) {
+  const char* ckv = static_cast<const char*>(p.ckv) + lane * 16;
+  const char* kpe = static_cast<const char*>(p.kpe) + (lane & 3) * 16;
+  const uint32_t lat = dst + (lane >> 3) * kBlock, rope = dst + 4 * kBlock;
+#pragma unroll 4
+  for (int j = 0; j < 16; ++j) {
+    const int r = warp * 16 + j;
+    const int64_t off = __shfl_sync(0xffffffffu, rows.lat, j);
+    const int64_t off_rope = __shfl_sync(0xffffffffu, rows.rope, j);
+    const int bytes = __shfl_sync(0xffffffffu, rows.ok, j) ? 16 : 0;
+    cp_async_16(lat + r * 128 + (((lane & 7) ^ (r & 7)) << 4), ckv + off, bytes);
+    if (lane < 4) cp_async_16(rope + r * 128 + (((4 + lane) ^ (r & 7)) << 4), kpe + off_rope, bytes);
+  }
+}
+
+// Warpgroup 1's fp16 fragments of k step kk (tokens 16 kk .. 16 kk + 15) for its 8 products, from the tile at
+// `tile`. Warp w's ldmatrix.trans of column group grp covers latent bytes 128 grp + 32 w .. + 31 (16-byte chunks
+// 8 grp + 2 w and + 1): a thread gets tokens 2q, 2q + 1 (and + 8) of latent columns 2g, 2g + 1 of each chunk. The
+// even columns feed product 2 grp, the odd ones 2 grp + 1; rows g / g + 8 of warp w's 16 are chunk 0 / chunk 1.
+// Tokens from `valid` on are zeros (the page holds anything there, NaN included, and 0 x NaN is not 0).
+__device__ __forceinline__ void values_fragments(uint32_t tile, int kk, int warp, int lane, int valid,
+                                                 uint32_t (&fr)[8][4]) {
+  const int mi = lane >> 3, tok = 16 * kk + (mi & 1) * 8 + (lane & 7), cb = 2 * warp + (mi >> 1);
+  const int q = lane & 3, t_lo = 16 * kk + 2 * q, t_hi = t_lo + 8;
+  const uint32_t keep_lo = (t_lo < valid ? 0x0000ffffu : 0u) | (t_lo + 1 < valid ? 0xffff0000u : 0u);
+  const uint32_t keep_hi = (t_hi < valid ? 0x0000ffffu : 0u) | (t_hi + 1 < valid ? 0xffff0000u : 0u);
+#pragma unroll
+  for (int grp = 0; grp < 4; ++grp) {
+    uint32_t r[4];
+    ldsm_x4_trans(tile + grp * kBlock + tok * 128 + ((cb ^ (tok & 7)) << 4), r);
+    if (valid < kTile) {
+      r[0] &= keep_lo;
+      r[2] &= keep_lo;
+      r[1] &= keep_hi;
+      r[3] &= keep_hi;
+    }
+    // r: bytes (token 2q: column 2g, 2g + 1), (token 2q + 1: 2g, 2g + 1) -> (2g: tokens 2q, 2q + 1), (2g + 1: ...).
+    // Fragment order: (row g, k 2q), (row g + 8, k 2q), (row g, k 2q + 8), (row g + 8, k 2q + 8).
+    const int order[4] = {0, 2, 1, 3};
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      const uint32_t x = prmt(r[order[a]], 0x3120);
+      fr[2 * grp][a] = e4m3x2_to_f16x2(x & 0xffffu);
+      fr[2 * grp + 1][a] = e4m3x2_to_f16x2(x >> 16);
+    }
+  }
+}
+
+template <int N>
+__global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(const __grid_constant__ Params p) {
+  using T = __nv_bfloat16;
+  using L = Layout<N>;
+  constexpr int kCols = N / 4;              // query rows per thread
+  constexpr int NB = 2 * N;                 // the scores' columns: Q_hi's rows, then Q_lo's
+  constexpr int kChains = N == 16 ? 4 : 2;  // the scores' accumulators
+  constexpr int kStages = L::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_base = smem_u32(smem_raw);
+  const uint32_t base = (raw_base + 1023) & ~1023u;
+  uint8_t* smem = smem_raw + (base - raw_base);
+  const uint32_t s_q = base, s_qin = base + L::qin, s_raw = base + L::raw, s_p = base + L::p;
+  float* s_alpha = reinterpret_cast<float*>(smem + L::alpha);
+  float* s_red = reinterpret_cast<float*>(smem + L::red);
+  float* s_sums = reinterpret_cast<float*>(smem + L::sums);
+  float* s_inv = reinterpret_cast<float*>(smem + L::inv);
+  float* s_rinv = reinterpret_cast<float*>(smem + L::rinv);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);  // [kStages] a tile landed
+  uint64_t* empty = full + kStages;                              // [kStages] warpgroup 1 done with it
+  uint64_t* pfull = empty + kStages;                             // [2] P^T and the factors written
+  uint64_t* pempty = pfull + 2;                                  // [2] warpgroup 1 done with them
+
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), t = tid & 127, warp = t >> 5;
+  const int lane = tid & 31, q = lane & 3;
+  const int prog = blockIdx.y;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      bar_init(&full[s], p.tma ? 1 : 128);
+      bar_init(&empty[s], 128);
+    }
+    for (int s = 0; s < 2; ++s) {
+      bar_init(&pfull[s], 128);
+      bar_init(&pempty[s], 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int B = p.batch;
+  const int chunk = p.sched[0], total = p.sched[1];
+  const int32_t* starts = p.sched + 2;
+  const int32_t* ends = starts + B;
+  const int32_t* splits_of = ends + B;
+  const int32_t* slot_of = splits_of + B;
+  const int end = min(prog * chunk + chunk, total);
+
+  // 224 registers for each computing thread (warpgroup 1 holds the output and two steps' fragments), 56 for the
+  // copying warpgroup: the 168 x 384 a CTA starts with.
+  if (wg == 2) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    if (p.tma && t != 0) return;
+    // The copying warpgroup runs ahead through the pieces, bounded by the free buffers: by TMA (one thread; a tile's
+    // 64 tokens lie in one page, and rows past the sequence's end come as the page holds them), or by cp.async token
+    // rows (any page size and layout; rows past the end read zeros), warp w copying tokens 16 w .. 16 w + 15.
+    uint32_t g = 0;
+    for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
+      const int seq_start = starts[b], piece_end = min(end, ends[b]);
+      const int length = min(max(p.seq_lens[b], 0), p.max_tokens);
+      const int tok_lo = max(cursor - seq_start - kOverhead, 0) * kUnit;
+      const int tok_hi = min(max(piece_end - seq_start - kOverhead, 0) * kUnit, length);
+      const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
+      Rows rows{};
+      if (!p.tma && tok_lo < tok_hi) rows = look_up(p, bt_row, tok_lo, tok_hi, warp, lane, 1);
+      for (int t0 = tok_lo; t0 < tok_hi; t0 += kTile, ++g) {
+        const uint32_t s = g % kStages, dst = s_raw + s * kTileBytes;
+        if (p.tma) {
+          const int pg = bt_row[t0 >> p.page_shift], in_page = t0 & ((1 << p.page_shift) - 1);
+          if (g >= kStages) bar_wait(&empty[s], ((g - kStages) / kStages) & 1);
+          sm90_wgmma::bar_expect_tx(&full[s], kTileBytes);
+#pragma unroll
+          for (int kb = 0; kb < 4; ++kb)
+            sm90_wgmma::tma_load_3d(dst + kb * kBlock, &p.map_ckv, &full[s], kb * 128, in_page, pg);
+          sm90_wgmma::tma_load_3d(dst + 4 * kBlock, &p.map_ckv, &full[s], kRopeCol, in_page, pg);
+          continue;
+        }
+        if (g >= kStages) bar_wait(&empty[s], ((g - kStages) / kStages) & 1);
+        copy_rows_swizzled(p, dst, rows, warp, lane);
+        cp_async_arrive(&full[s]);
+        if (t0 + kTile < tok_hi) rows = look_up(p, bt_row, t0 + kTile, tok_hi, warp, lane, 1);
+      }
+      cursor = piece_end;
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+
+  int cursor = prog * chunk;
+  int b = slot_of[B + prog];
+  const float kv_scale = p.kv_scale != nullptr ? *p.kv_scale : p.kv_scale_value;
+
+  uint32_t tiles_done = 0, pieces = 0;  // the barriers' phases
+  while (cursor < end) {
+    const int seq_start = starts[b], seq_end = ends[b], splits = splits_of[b];
+    const int piece_end = min(end, seq_end);
+    const int length = min(max(p.seq_lens[b], 0), p.max_tokens);
+    const int tok_lo = max(cursor - seq_start - kOverhead, 0) * kUnit;
+    const int tok_hi = min(max(piece_end - seq_start - kOverhead, 0) * kUnit, length);
+    const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kTile - 1) / kTile : 0;
+    const int64_t slot = slot_of[b] + prog - seq_start / chunk;
+
+    if (wg == 0) {
+      copy_queries<T, N, 128>(p, s_qin, 0, b, t);
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      wg_sync(kBarQ);
+      split_queries<N>(s_qin, s_q, s_rinv, warp, lane);
+      fence_async_smem();  // the parts' stores -> the wgmma's reads
+      wg_sync(kBarQ);
+
+      // This thread's query rows (the accumulator's columns 8 j + 2 q + e: index 2 j + e) and what they see.
+      int vis[kCols];
+      float m[kCols], l[kCols], fac[kCols];
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int n = 8 * (c >> 1) + 2 * q + (c & 1);
+        vis[c] = n < p.rows ? min(p.causal ? length - p.s_q + 1 + n / p.heads : length, tok_hi) : 0;
+        m[c] = -INFINITY;
+        l[c] = 0.f;
+        fac[c] = s_rinv[n] * p.qk_scale * kv_scale;
+      }
+      const int ta = warp * 16 + (lane >> 2);  // this thread's tokens in a tile: ta, ta + 8
+      for (int i = 0; i < ntiles; ++i) {
+        const uint32_t g = tiles_done + i, s = g % kStages, tile = s_raw + s * kTileBytes;
+        bar_wait(&full[s], (g / kStages) & 1);
+        // 18 k steps (16 latent, 2 rope) in kChains independent accumulators, issued in turn.
+        float part[kChains][NB / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 18; ++k) {
+          const int blk = k < 16 ? k >> 2 : 4, kk = k < 16 ? k & 3 : k - 14;
+          mma_scores_fp8<NB>(part[k % kChains], desc_k(tile + blk * kBlock + kk * 32),
+                             desc_k(s_q + blk * L::q_block + kk * 32), k >= kChains);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int c = 0; c < kChains; ++c) fence_regs(part[c]);
+        float sc[NB / 2];
+#pragma unroll
+        for (int e = 0; e < NB / 2; ++e) {
+          sc[e] = part[0][e];
+#pragma unroll
+          for (int c = 1; c < kChains; ++c) sc[e] += part[c][e];
+        }
+
+        // Online softmax along the tokens: a query row's 64 scores lie in the 8 lanes of one q in each warp.
+        const int t0 = tok_lo + i * kTile;
+        float x0[kCols], x1[kCols], mx[kCols];
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+          const int k = 4 * (c >> 1) + (c & 1), kl = k + N / 2;  // Q_hi's column, Q_lo's
+          x0[c] = t0 + ta < vis[c] ? (sc[k] + sc[kl] * 0.0625f) * fac[c] : -INFINITY;
+          x1[c] = t0 + ta + 8 < vis[c] ? (sc[k + 2] + sc[kl + 2] * 0.0625f) * fac[c] : -INFINITY;
+          mx[c] = fmaxf(x0[c], x1[c]);
+#pragma unroll
+          for (int x = 4; x <= 16; x <<= 1) mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], x));
+        }
+        float* red = s_red + (g & 1) * 4 * N;
+        if (lane < 4) {
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) red[warp * N + 8 * (c >> 1) + 2 * q + (c & 1)] = mx[c];
+        }
+        wg_sync(kBarMax);
+        const uint32_t ps = g & 1, pt = s_p + ps * (N * 128);
+        if (g >= 2) bar_wait(&pempty[ps], ((g - 2) >> 1) & 1);
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+          const int n = 8 * (c >> 1) + 2 * q + (c & 1);
+          const float tile_max = fmaxf(fmaxf(red[n], red[N + n]), fmaxf(red[2 * N + n], red[3 * N + n]));
+          const float mn = fmaxf(m[c], tile_max);
+          const float u = mn == -INFINITY ? 0.f : mn;
+          const float alpha = exp2f(m[c] - u);
+          m[c] = mn;
+          x0[c] = exp2f(x0[c] - u);
+          x1[c] = exp2f(x1[c] - u);
+          l[c] = l[c] * alpha + x0[c] + x1[c];
+          if (warp == 0 && lane < 4) s_alpha[ps * N + n] = alpha;
+          // P^T [n][token], K-major for the values' B operand.
+          const uint32_t row = pt + n * 128, sw = n & 7;
+          sts16(row + (((ta >> 3) ^ sw) << 4) + (ta & 7) * 2, __half_as_ushort(__float2half_rn(x0[c])));
+          sts16(row + ((((ta + 8) >> 3) ^ sw) << 4) + (ta & 7) * 2, __half_as_ushort(__float2half_rn(x1[c])));
+        }
+        fence_async_smem();  // P^T's stores -> warpgroup 1's wgmma reads
+        sm90_wgmma::bar_arrive(&pfull[ps]);
+      }
+
+      // Row sums: the 8 lanes of each q, then the four warps.
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+#pragma unroll
+        for (int x = 4; x <= 16; x <<= 1) l[c] += __shfl_xor_sync(0xffffffffu, l[c], x);
+      }
+      if (lane < 4) {
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) s_sums[warp * N + 8 * (c >> 1) + 2 * q + (c & 1)] = l[c];
+      }
+      wg_sync(kBarMax);
+      float* inv = s_inv + (pieces & 1) * N;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int n = 8 * (c >> 1) + 2 * q + (c & 1);
+        const float sum = s_sums[n] + s_sums[N + n] + s_sums[2 * N + n] + s_sums[3 * N + n];
+        const bool any = ntiles > 0 && sum > 0.f;
+        const float lse = any ? m[c] + log2f(sum) : -INFINITY;
+        if (warp == 0 && lane < 4) inv[n] = any ? kv_scale / sum : 0.f;
+        if (n >= p.rows || warp != 0 || lane >= 4) continue;
+        const int qi = n / p.heads, h = n % p.heads;
+        if (splits == 1) {
+          if (p.lse != nullptr) p.lse[b * p.l_b + qi * p.l_s + h * p.l_h] = lse * 0.6931471805599453f;
+        } else {
+          p.part_lse[slot * p.rows + n] = lse;
+        }
+      }
+      named_sync(kBarOut);
+    } else {
+      float o[8][N / 2];
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) o[mb][i] = 0.f;
+      for (int i = 0; i < ntiles; ++i) {
+        const uint32_t g = tiles_done + i, s = g % kStages, tile = s_raw + s * kTileBytes;
+        const uint32_t ps = g & 1, pt = s_p + ps * (N * 128);
+        bar_wait(&pfull[ps], (g >> 1) & 1);
+        bar_wait(&full[s], (g / kStages) & 1);  // the tile's bytes, for this warpgroup's own reads
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+          const float alpha = s_alpha[ps * N + 8 * (c >> 1) + 2 * q + (c & 1)];
+          const int k = 4 * (c >> 1) + (c & 1);
+#pragma unroll
+          for (int mb = 0; mb < 8; ++mb) {
+            o[mb][k] *= alpha;
+            o[mb][k + 2] *= alpha;
+          }
+        }
+        const int valid = tok_hi - (tok_lo + i * kTile);
+        uint32_t fr[2][8][4];
+        values_fragments(tile, 0, warp, lane, valid, fr[0]);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma_fence();
+#pragma unroll
+          for (int mb = 0; mb < 8; ++mb) mma_values_rs<N>(o[mb], fr[kk & 1][mb], desc_k(pt + kk * 32));
+          wgmma_commit();
+          if (kk < 3) values_fragments(tile, kk + 1, warp, lane, valid, fr[(kk + 1) & 1]);
+          wgmma_wait<0>();
+        }
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) fence_regs(o[mb]);
+        sm90_wgmma::bar_arrive(&pempty[ps]);
+        sm90_wgmma::bar_arrive(&empty[s]);
+      }
+
+      // out^T's columns are this thread's query rows; product mb = 2 grp + e holds latent columns 128 grp + 32 w +
+      // 2 g + e (row g) and + 16 (row g + 8).
+      named_sync(kBarOut);
+      const float* inv = s_inv + (pieces & 1) * N;
+      const int col0 = 32 * warp + 2 * (lane >> 2);
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int n = 8 * (c >> 1) + 2 * q + (c & 1), k = 4 * (c >> 1) + (c & 1);
+        if (n >= p.rows) continue;
+        const float f = inv[n];
+        const int qi = n / p.heads, h = n % p.heads;
+        if (splits == 1) {
+          T* out = static_cast<T*>(p.out) + b * p.o_b + qi * p.o_s + h * p.o_h + col0;
+#pragma unroll
+          for (int mb = 0; mb < 8; ++mb) {
+            const int col = 128 * (mb >> 1) + (mb & 1);
+            out[col] = static_cast<T>(o[mb][k] * f);
+            out[col + 16] = static_cast<T>(o[mb][k + 2] * f);
+          }
+        } else {
+          float* out = p.part_out + (slot * p.rows + n) * 512 + col0;
+#pragma unroll
+          for (int mb = 0; mb < 8; ++mb) {
+            const int col = 128 * (mb >> 1) + (mb & 1);
+            out[col] = o[mb][k] * f;
+            out[col + 16] = o[mb][k + 2] * f;
+          }
+        }
+      }
+    }
+    tiles_done += ntiles;
+    ++pieces;
+    cursor = piece_end;
+    ++b;
+  }
+}
+
+#else
+
+template <int N>
+__global__ void mla_decode_narrow_rs_kernel(const __grid_constant__ Params p) {}
+
+#endif
+
+template <int N>
+int launch_t(const Params& p, int programs, cudaStream_t stream) {
+  constexpr int bytes = Layout<N>::bytes;
+  static_assert(bytes <= 227 * 1024, "shared memory");
+  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_narrow_rs_kernel<N>>(bytes);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  mla_decode_narrow_rs_kernel<N><<<dim3(1, programs), kThreadsRs, bytes, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace narrow_rs
+
+// The pages as the 3-D tensor {byte, token in page, page} of the one-tensor FP8 cache (rows of 576 bytes), in boxes
+// of 128 bytes x 64 tokens, 128-byte swizzled.
+bool encode_fp8_tiles(CUtensorMap* map, const void* base, int page, int64_t num_pages, int64_t page_stride) {
+  sm90::EncodeTiled fn = sm90::tensor_map_encoder();
+  if (fn == nullptr || page < kTile) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kChunks * 8), static_cast<cuuint64_t>(page),
+                              static_cast<cuuint64_t>(num_pages)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kChunks * 8), static_cast<cuuint64_t>(page_stride)};
+  const cuuint32_t box[3] = {128, static_cast<cuuint32_t>(kTile), 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+int launch_narrow_rs(const Params& p, int programs, cudaStream_t stream) {
+  return p.rows <= 16 ? narrow_rs::launch_t<16>(p, programs, stream) : narrow_rs::launch_t<32>(p, programs, stream);
+}
+
+}  // namespace sm90_mla
+}  // namespace fim
