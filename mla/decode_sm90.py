@@ -51,14 +51,15 @@ BLOCK_M = 64  # rows per CTA of the 64-row kernel; the plan's row blocks for bot
 # FP8 pages of at most this many rows take the narrow kernel; 0 sends them to the 64-row one. On an H200 (page 64,
 # docs/perf-notes.md) the narrow kernel is 1.21-1.32x faster there than the 64-row one (16 rows: than the Triton one).
 NARROW_MAX_ROWS = 32
-# The narrow kernel's fp16 stages where its tiles come by bulk copies (the one-tensor cache, pages of 64 tokens and
-# up): 2 lets the widening of one tile overlap the products of the one before (raw buffers of half tiles beside
-# them; 1.04-1.09x at 16 and 32 rows on an H200, docs/perf.md), 1 alternates the two around one stage (raw buffers
-# of whole tiles), as token-row copies always do (two stages measured 0.81-0.85x there).
+# The narrow kernel's fp16 stages (fp16 queries, or NARROW_RS off) where its tiles come by bulk copies (the one-tensor
+# cache, pages of 64 tokens and up): 2 lets the widening of one tile overlap the products of the one before (raw
+# buffers of half tiles beside them; 1.04-1.09x at 16 and 32 rows on an H200, docs/perf-notes.md), 1 alternates the
+# two around one stage (raw buffers of whole tiles), as token-row copies always do (two stages measured 0.81-0.85x).
 NARROW_STAGES = 2
 # FP8 pages of up to NARROW_MAX_ROWS rows under bf16 queries: the narrow kernel without fp16 images
 # (csrc/mla/sm90_mla_decode_narrow_rs.cu: the scores by FP8 wgmma on the tile as it landed, the queries split into
-# two FP8 parts; the values from fragments widened in registers); False keeps the fp16 stages (as fp16 queries do).
+# two FP8 parts; the values from fragments widened in registers; 1.13-1.46x the fp16 stages on an H100,
+# docs/perf.md); False keeps the fp16 stages (as fp16 queries do).
 NARROW_RS = True
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 # Pages of at least this many tokens: the 64-row kernel's bf16/fp16 tiles by TMA (9 boxes a tile at page 64, issued
