@@ -82,6 +82,58 @@ __device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 
 __device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// Where a CTA's piece of sequence b lies: its tokens [tok_lo, tok_hi) of the sequence's `length`, in `ntiles`
+// tiles, the last of which holds `tail_valid` tokens.
+struct Piece {
+  int seq_start, piece_end, length, tok_lo, tok_hi, ntiles, tail_valid;
+};
+
+__device__ __forceinline__ Piece piece_of(const Params& p, int b, int cursor, int end, int seq_start, int seq_end) {
+  Piece pc;
+  pc.seq_start = seq_start;
+  pc.piece_end = min(end, seq_end);
+  pc.length = min(max(p.seq_lens[b], 0), p.max_tokens);
+  pc.tok_lo = max(cursor - seq_start - kOverhead, 0) * kUnit;
+  pc.tok_hi = min(max(pc.piece_end - seq_start - kOverhead, 0) * kUnit, pc.length);
+  pc.ntiles = pc.tok_hi > pc.tok_lo ? (pc.tok_hi - pc.tok_lo + kTile - 1) / kTile : 0;
+  pc.tail_valid = pc.tok_hi - pc.tok_lo - (pc.ntiles - 1) * kTile;
+  return pc;
+}
+
+// One warpgroup's named barrier (the narrow kernels' warpgroups sync apart).
+__device__ __forceinline__ void wg_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+
+__device__ __forceinline__ void sts16(uint32_t addr, uint16_t v) {
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
+}
+
+// The narrow kernels (up to 32 query rows as wgmma's N side): a thread's column c of N / 4 is query row
+// 8 (c / 2) + 2 q + c % 2 (q = lane % 4), the accumulator's index 4 (c / 2) + c % 2 for token ta and + 2 for ta + 8.
+__device__ __forceinline__ int narrow_row(int c, int q) { return 8 * (c >> 1) + 2 * q + (c & 1); }
+
+// Each warp's per-row values (a tile's maxima or the sums of its tokens, already reduced over the warp's lanes) into
+// red[warp][row] by lanes 0-3 (q = lane), then the warpgroup's barrier `bar`; the caller adds a row's four.
+template <int N>
+__device__ __forceinline__ void narrow_share(const float (&v)[N / 4], float* red, int warp, int lane, int q, int bar) {
+  if (lane < 4) {
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c) red[warp * N + narrow_row(c, q)] = v[c];
+  }
+  wg_sync(bar);
+}
+
+// The sum over the tile's tokens of a thread's per-row values: the 8 lanes of each q, then the four warps (in
+// s_sums) after the warpgroup's barrier `bar`.
+template <int N>
+__device__ __forceinline__ void narrow_sum_rows(float (&l)[N / 4], float* s_sums, int warp, int lane, int q, int bar) {
+#pragma unroll
+  for (int c = 0; c < N / 4; ++c) {
+#pragma unroll
+    for (int x = 4; x <= 16; x <<= 1) l[c] += __shfl_xor_sync(0xffffffffu, l[c], x);
+  }
+  narrow_share<N>(l, s_sums, warp, lane, q, bar);
+}
+
 // Byte offset of 16-byte chunk c of row r in a [blocks][ROWS rows][64 columns] swizzled image.
 template <int ROWS = kRows>
 __device__ __forceinline__ uint32_t chunk_offset(int r, int c) {

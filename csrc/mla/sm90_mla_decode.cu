@@ -132,24 +132,6 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
   if (lane == 0) sm90_wgmma::bar_arrive(empty);
 }
 
-// Where a CTA's piece of sequence b lies: its tokens [tok_lo, tok_hi) of the sequence's `length`, in `ntiles`
-// tiles, the last of which holds `tail_valid` tokens.
-struct Piece {
-  int seq_start, piece_end, length, tok_lo, tok_hi, ntiles, tail_valid;
-};
-
-__device__ __forceinline__ Piece piece_of(const Params& p, int b, int cursor, int end, int seq_start, int seq_end) {
-  Piece pc;
-  pc.seq_start = seq_start;
-  pc.piece_end = min(end, seq_end);
-  pc.length = min(max(p.seq_lens[b], 0), p.max_tokens);
-  pc.tok_lo = max(cursor - seq_start - kOverhead, 0) * kUnit;
-  pc.tok_hi = min(max(pc.piece_end - seq_start - kOverhead, 0) * kUnit, pc.length);
-  pc.ntiles = pc.tok_hi > pc.tok_lo ? (pc.tok_hi - pc.tok_lo + kTile - 1) / kTile : 0;
-  pc.tail_valid = pc.tok_hi - pc.tok_lo - (pc.ntiles - 1) * kTile;
-  return pc;
-}
-
 // A new piece: once every warpgroup is done with the last one (Q and both stages), the loading warpgroup issues
 // the piece's first two tiles and every thread its share of Q.
 template <typename T, bool FP8, bool PAGED, int CTA>

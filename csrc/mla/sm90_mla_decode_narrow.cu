@@ -54,12 +54,6 @@ constexpr int kBarMax = 6, kBarP = 7, kBarRaw = 8, kBarQ = 9;  // named barriers
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-__device__ __forceinline__ void wg_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
-
-__device__ __forceinline__ void sts16(uint32_t addr, uint16_t v) {
-  asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
-}
-
 template <bool QF16, int N, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __grid_constant__ Params p) {
   using T = typename std::conditional<QF16, __half, __nv_bfloat16>::type;
@@ -194,11 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
           for (int x = 4; x <= 16; x <<= 1) mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], x));
         }
         float* red = s_red + (g & 1) * 4 * N;
-        if (lane < 4) {
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) red[warp * N + 8 * (c >> 1) + 2 * q + (c & 1)] = mx[c];
-        }
-        wg_sync(kBarMax);
+        narrow_share<N>(mx, red, warp, lane, q, kBarMax);
         float alpha[kCols];
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
@@ -239,17 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
         sm90_wgmma::bar_arrive(&empty[g % STAGES]);
       }
 
-      // Row sums: the 8 lanes of each q, then the four warps.
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-#pragma unroll
-        for (int x = 4; x <= 16; x <<= 1) l[c] += __shfl_xor_sync(0xffffffffu, l[c], x);
-      }
-      if (lane < 4) {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) s_sums[warp * N + 8 * (c >> 1) + 2 * q + (c & 1)] = l[c];
-      }
-      wg_sync(kBarMax);
+      narrow_sum_rows<N>(l, s_sums, warp, lane, q, kBarMax);
       float inv[kCols], lse[kCols];
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {

@@ -49,12 +49,6 @@ struct Layout {
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-__device__ __forceinline__ void wg_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
-
-__device__ __forceinline__ void sts16(uint32_t addr, uint16_t v) {
-  asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
-}
-
 __device__ __forceinline__ void sts64(uint32_t addr, uint32_t a, uint32_t b) {
   asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : "memory");
 }
@@ -251,10 +245,8 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
     // rows (any page size and layout; rows past the end read zeros), warp w copying tokens 16 w .. 16 w + 15.
     uint32_t g = 0;
     for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
-      const int seq_start = starts[b], piece_end = min(end, ends[b]);
-      const int length = min(max(p.seq_lens[b], 0), p.max_tokens);
-      const int tok_lo = max(cursor - seq_start - kOverhead, 0) * kUnit;
-      const int tok_hi = min(max(piece_end - seq_start - kOverhead, 0) * kUnit, length);
+      const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+      const int tok_lo = pc.tok_lo, tok_hi = pc.tok_hi;
       const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
       Rows rows{};
       if (!p.tma && tok_lo < tok_hi) rows = look_up(p, bt_row, tok_lo, tok_hi, warp, lane, 1);
@@ -275,7 +267,7 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
         cp_async_arrive(&full[s]);
         if (t0 + kTile < tok_hi) rows = look_up(p, bt_row, t0 + kTile, tok_hi, warp, lane, 1);
       }
-      cursor = piece_end;
+      cursor = pc.piece_end;
     }
     return;
   }
@@ -352,11 +344,7 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
           for (int x = 4; x <= 16; x <<= 1) mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], x));
         }
         float* red = s_red + (g & 1) * 4 * N;
-        if (lane < 4) {
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) red[warp * N + 8 * (c >> 1) + 2 * q + (c & 1)] = mx[c];
-        }
-        wg_sync(kBarMax);
+        narrow_share<N>(mx, red, warp, lane, q, kBarMax);
         const uint32_t ps = g & 1, pt = s_p + ps * (N * 128);
         if (g >= 2) bar_wait(&pempty[ps], ((g - 2) >> 1) & 1);
 #pragma unroll
@@ -380,17 +368,7 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
         sm90_wgmma::bar_arrive(&pfull[ps]);
       }
 
-      // Row sums: the 8 lanes of each q, then the four warps.
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-#pragma unroll
-        for (int x = 4; x <= 16; x <<= 1) l[c] += __shfl_xor_sync(0xffffffffu, l[c], x);
-      }
-      if (lane < 4) {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) s_sums[warp * N + 8 * (c >> 1) + 2 * q + (c & 1)] = l[c];
-      }
-      wg_sync(kBarMax);
+      narrow_sum_rows<N>(l, s_sums, warp, lane, q, kBarMax);
       float* inv = s_inv + (pieces & 1) * N;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
