@@ -277,13 +277,17 @@ __device__ __forceinline__ void bulk_pages(const Params& p, const int32_t* bt_ro
   }
 }
 
+// Two E4M3 values (the low 16 bits of `pair`, the first in the low byte) to two fp16 ones (exact).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
+  uint32_t w;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(w) : "h"(static_cast<uint16_t>(pair)));
+  return w;
+}
+
 // Eight E4M3 values (8 bytes) to eight fp16 ones (exact), as four 32-bit words.
 __device__ __forceinline__ void e4m3x8_to_f16(uint32_t lo, uint32_t hi, uint32_t (&w)[4]) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint16_t pair = static_cast<uint16_t>(((i < 2 ? lo : hi) >> (16 * (i & 1))) & 0xffffu);
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(w[i]) : "h"(pair));
-  }
+  for (int i = 0; i < 4; ++i) w[i] = e4m3x2_to_f16x2(((i < 2 ? lo : hi) >> (16 * (i & 1))) & 0xffffu);
 }
 
 // 16 FP8 bytes of row r (columns 16 q .. 16 q + 15) into the fp16 image's chunks 2 q and 2 q + 1.

@@ -66,12 +66,6 @@ __device__ __forceinline__ uint32_t e4m3x2(float a, float b) {
   return v;
 }
 
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
-  uint32_t w;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(w) : "h"(static_cast<uint16_t>(pair)));
-  return w;
-}
-
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
   uint32_t r;
   asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
@@ -279,13 +273,10 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
 
   uint32_t tiles_done = 0, pieces = 0;  // the barriers' phases
   while (cursor < end) {
-    const int seq_start = starts[b], seq_end = ends[b], splits = splits_of[b];
-    const int piece_end = min(end, seq_end);
-    const int length = min(max(p.seq_lens[b], 0), p.max_tokens);
-    const int tok_lo = max(cursor - seq_start - kOverhead, 0) * kUnit;
-    const int tok_hi = min(max(piece_end - seq_start - kOverhead, 0) * kUnit, length);
-    const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kTile - 1) / kTile : 0;
-    const int64_t slot = slot_of[b] + prog - seq_start / chunk;
+    const int splits = splits_of[b];
+    const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+    const int length = pc.length, tok_lo = pc.tok_lo, tok_hi = pc.tok_hi, ntiles = pc.ntiles;
+    const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
 
     if (wg == 0) {
       copy_queries<T, N, 128>(p, s_qin, 0, b, t);
@@ -300,7 +291,7 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
       float m[kCols], l[kCols], fac[kCols];
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        const int n = 8 * (c >> 1) + 2 * q + (c & 1);
+        const int n = narrow_row(c, q);
         vis[c] = n < p.rows ? min(p.causal ? length - p.s_q + 1 + n / p.heads : length, tok_hi) : 0;
         m[c] = -INFINITY;
         l[c] = 0.f;
@@ -349,7 +340,7 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
         if (g >= 2) bar_wait(&pempty[ps], ((g - 2) >> 1) & 1);
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
-          const int n = 8 * (c >> 1) + 2 * q + (c & 1);
+          const int n = narrow_row(c, q);
           const float tile_max = fmaxf(fmaxf(red[n], red[N + n]), fmaxf(red[2 * N + n], red[3 * N + n]));
           const float mn = fmaxf(m[c], tile_max);
           const float u = mn == -INFINITY ? 0.f : mn;
@@ -372,7 +363,7 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
       float* inv = s_inv + (pieces & 1) * N;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        const int n = 8 * (c >> 1) + 2 * q + (c & 1);
+        const int n = narrow_row(c, q);
         const float sum = s_sums[n] + s_sums[N + n] + s_sums[2 * N + n] + s_sums[3 * N + n];
         const bool any = ntiles > 0 && sum > 0.f;
         const float lse = any ? m[c] + log2f(sum) : -INFINITY;
@@ -399,7 +390,7 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
         bar_wait(&full[s], (g / kStages) & 1);  // the tile's bytes, for this warpgroup's own reads
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
-          const float alpha = s_alpha[ps * N + 8 * (c >> 1) + 2 * q + (c & 1)];
+          const float alpha = s_alpha[ps * N + narrow_row(c, q)];
           const int k = 4 * (c >> 1) + (c & 1);
 #pragma unroll
           for (int mb = 0; mb < 8; ++mb) {
@@ -432,7 +423,7 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
       const int col0 = 32 * warp + 2 * (lane >> 2);
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        const int n = 8 * (c >> 1) + 2 * q + (c & 1), k = 4 * (c >> 1) + (c & 1);
+        const int n = narrow_row(c, q), k = 4 * (c >> 1) + (c & 1);
         if (n >= p.rows) continue;
         const float f = inv[n];
         const int qi = n / p.heads, h = n % p.heads;
@@ -457,7 +448,7 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
     }
     tiles_done += ntiles;
     ++pieces;
-    cursor = piece_end;
+    cursor = pc.piece_end;
     ++b;
   }
 }
