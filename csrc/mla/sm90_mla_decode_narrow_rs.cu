@@ -26,23 +26,25 @@ constexpr int kTileBytes = 5 * kBlock;               // [5 column blocks][64 row
 constexpr int kThreadsRs = 384;                      // warpgroups 0 and 1 compute, 2 copies
 constexpr int kRopeCol = 448;                        // the fifth block's first column: its bytes 64-127 are the rope
 constexpr int kBarMax = 6, kBarQ = 9, kBarOut = 10;  // named barriers (kBarOut: both warpgroups)
+constexpr float kSlack = 8.f;                        // log2 of how far P^T may exceed 1 before the maxima move
 
-// Q's FP8 parts [5 blocks][2N rows][128 bytes], the queries as they come [9 blocks][N rows][64 columns] (16-bit),
-// the tile buffers, P^T [2 slots][N rows][64 tokens], the rescale factors [2][N], the maxima exchange [2][4][N],
-// the sums [4][N], the output factors [2][N], Q's row factors [N], barriers; 1024 bytes of slack for alignment.
+// Q's FP8 parts [5 blocks][2N rows][128 bytes], the tile buffers, P^T [2 slots][N rows][64 tokens], the rescale
+// factors [2][N], the maxima exchange [2][4][N], the sums [4][N], the output factors [2][N], Q's row factors [N],
+// the slots' flags, barriers; 1024 bytes of slack for alignment. The queries are read from global memory where they
+// are split, so the tile buffers take the rest: 5 at 16 rows, 4 at 32.
 template <int N>
 struct Layout {
-  static constexpr int kStages = N == 16 ? 4 : 3;  // tiles in flight, as many as fit
+  static constexpr int kStages = N == 16 ? 5 : 4;
   static constexpr int q_block = 2 * N * 128;
-  static constexpr int qin = 5 * q_block;
-  static constexpr int raw = qin + 9 * N * 128;
+  static constexpr int raw = 5 * q_block;
   static constexpr int p = raw + kStages * kTileBytes;
   static constexpr int alpha = p + 2 * N * 128;
   static constexpr int red = alpha + 2 * N * 4;
   static constexpr int sums = red + 2 * 4 * N * 4;
   static constexpr int inv = sums + 4 * N * 4;
   static constexpr int rinv = inv + 2 * N * 4;
-  static constexpr int bars = rinv + N * 4;
+  static constexpr int moved = rinv + N * 4;  // [2]: did the tile in slot s move the maxima
+  static constexpr int bars = moved + 8;
   static constexpr int bytes = bars + 8 * (2 * kStages + 4) + 1024;
   static_assert(raw % 1024 == 0 && p % 1024 == 0 && bars % 8 == 0, "swizzled operands start at an atom");
 };
@@ -66,26 +68,41 @@ __device__ __forceinline__ uint32_t e4m3x2(float a, float b) {
   return v;
 }
 
+// Whether `v` holds for any of the warpgroup's 128 threads (a barrier `id` over them).
+__device__ __forceinline__ bool wg_any(bool v, int id) {
+  uint32_t r;
+  asm volatile("{ .reg .pred p, a; setp.ne.u32 p, %1, 0; bar.red.or.pred a, %2, 128, p; selp.u32 %0, 1, 0, a; }"
+               : "=r"(r)
+               : "r"(static_cast<uint32_t>(v)), "r"(id)
+               : "memory");
+  return r != 0;
+}
+
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
   uint32_t r;
   asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
   return r;
 }
 
-// Q's two FP8 parts from the bf16 queries landed at s_qin (a [9][N][64] image), by warpgroup 0: warp w takes rows
-// w, w + 4, ...; each row's factor, a power of two, puts its largest value at 224-448; s_rinv gets its inverse. Column
-// c of the row lies in block c / 128 (c < 512) or 4 (the rope, bytes 64 on) of the parts' image.
+// Q's two FP8 parts from the bf16 queries of sequence b (read from global memory; rows past the last read zeros),
+// by warpgroup 0: warp w takes rows w, w + 4, ...; each row's factor, a power of two, puts its largest value at
+// 224-448; s_rinv gets its inverse. Column c of the row lies in block c / 128 (c < 512) or 4 (the rope, bytes 64
+// on) of the parts' image.
 template <int N>
-__device__ __forceinline__ void split_queries(uint32_t s_qin, uint32_t s_q, float* s_rinv, int warp, int lane) {
+__device__ __forceinline__ void split_queries(const Params& p, int b, uint32_t s_q, float* s_rinv, int warp, int lane) {
   using L = Layout<N>;
   for (int n = warp; n < N; n += 4) {
+    const bool ok = n < p.rows;
+    const int qi = ok ? n / p.heads : 0, h = ok ? n % p.heads : 0;
+    const uint16_t* qn = static_cast<const uint16_t*>(p.qn) + b * p.qn_b + qi * p.qn_s + h * p.qn_h;
+    const uint16_t* qp = static_cast<const uint16_t*>(p.qp) + b * p.qp_b + qi * p.qp_s + h * p.qp_h;
     float v[3][8];
     float amax = 0.f;
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
       const int ch = lane + 32 * j;
       uint4 w = make_uint4(0u, 0u, 0u, 0u);
-      if (ch < kChunks) w = sm90_wgmma::lds128(s_qin + chunk_offset<N>(n, ch));
+      if (ok && ch < kChunks) w = __ldg(reinterpret_cast<const uint4*>(ch < 64 ? qn + ch * 8 : qp + (ch - 64) * 8));
       const uint32_t in[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -195,12 +212,13 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
   const uint32_t raw_base = smem_u32(smem_raw);
   const uint32_t base = (raw_base + 1023) & ~1023u;
   uint8_t* smem = smem_raw + (base - raw_base);
-  const uint32_t s_q = base, s_qin = base + L::qin, s_raw = base + L::raw, s_p = base + L::p;
+  const uint32_t s_q = base, s_raw = base + L::raw, s_p = base + L::p;
   float* s_alpha = reinterpret_cast<float*>(smem + L::alpha);
   float* s_red = reinterpret_cast<float*>(smem + L::red);
   float* s_sums = reinterpret_cast<float*>(smem + L::sums);
   float* s_inv = reinterpret_cast<float*>(smem + L::inv);
   float* s_rinv = reinterpret_cast<float*>(smem + L::rinv);
+  int* s_moved = reinterpret_cast<int*>(smem + L::moved);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);  // [kStages] a tile landed
   uint64_t* empty = full + kStages;                              // [kStages] warpgroup 1 done with it
   uint64_t* pfull = empty + kStages;                             // [2] P^T and the factors written
@@ -279,10 +297,8 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
     const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
 
     if (wg == 0) {
-      copy_queries<T, N, 128>(p, s_qin, 0, b, t);
-      asm volatile("cp.async.wait_all;" ::: "memory");
-      wg_sync(kBarQ);
-      split_queries<N>(s_qin, s_q, s_rinv, warp, lane);
+      wg_sync(kBarQ);  // the last piece's products are done with the parts
+      split_queries<N>(p, b, s_q, s_rinv, warp, lane);
       fence_async_smem();  // the parts' stores -> the wgmma's reads
       wg_sync(kBarQ);
 
@@ -334,27 +350,37 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
 #pragma unroll
           for (int x = 4; x <= 16; x <<= 1) mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], x));
         }
+        // The running maxima move only where a score passes them by more than 2^kSlack, so P^T stays below 2^kSlack
+        // (far inside fp16) and most tiles skip the exchange between the warps, and warpgroup 1 the rescaling.
+        bool pass = false;
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) pass |= mx[c] > m[c] + kSlack;
+        const bool move = wg_any(pass, kBarMax);
         float* red = s_red + (g & 1) * 4 * N;
-        narrow_share<N>(mx, red, warp, lane, q, kBarMax);
+        if (move) narrow_share<N>(mx, red, warp, lane, q, kBarMax);
         const uint32_t ps = g & 1, pt = s_p + ps * (N * 128);
         if (g >= 2) bar_wait(&pempty[ps], ((g - 2) >> 1) & 1);
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
           const int n = narrow_row(c, q);
-          const float tile_max = fmaxf(fmaxf(red[n], red[N + n]), fmaxf(red[2 * N + n], red[3 * N + n]));
-          const float mn = fmaxf(m[c], tile_max);
-          const float u = mn == -INFINITY ? 0.f : mn;
-          const float alpha = exp2f(m[c] - u);
-          m[c] = mn;
+          if (move) {
+            const float tile_max = fmaxf(fmaxf(red[n], red[N + n]), fmaxf(red[2 * N + n], red[3 * N + n]));
+            const float mn = fmaxf(m[c], tile_max);
+            const float alpha = exp2f(m[c] - (mn == -INFINITY ? 0.f : mn));
+            m[c] = mn;
+            l[c] *= alpha;
+            if (warp == 0 && lane < 4) s_alpha[ps * N + n] = alpha;
+          }
+          const float u = m[c] == -INFINITY ? 0.f : m[c];
           x0[c] = exp2f(x0[c] - u);
           x1[c] = exp2f(x1[c] - u);
-          l[c] = l[c] * alpha + x0[c] + x1[c];
-          if (warp == 0 && lane < 4) s_alpha[ps * N + n] = alpha;
+          l[c] += x0[c] + x1[c];
           // P^T [n][token], K-major for the values' B operand.
           const uint32_t row = pt + n * 128, sw = n & 7;
           sts16(row + (((ta >> 3) ^ sw) << 4) + (ta & 7) * 2, __half_as_ushort(__float2half_rn(x0[c])));
           sts16(row + ((((ta + 8) >> 3) ^ sw) << 4) + (ta & 7) * 2, __half_as_ushort(__float2half_rn(x1[c])));
         }
+        if (t == 0) s_moved[ps] = move;
         fence_async_smem();  // P^T's stores -> warpgroup 1's wgmma reads
         sm90_wgmma::bar_arrive(&pfull[ps]);
       }
@@ -388,14 +414,16 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
         const uint32_t ps = g & 1, pt = s_p + ps * (N * 128);
         bar_wait(&pfull[ps], (g >> 1) & 1);
         bar_wait(&full[s], (g / kStages) & 1);  // the tile's bytes, for this warpgroup's own reads
+        if (s_moved[ps]) {
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          const float alpha = s_alpha[ps * N + narrow_row(c, q)];
-          const int k = 4 * (c >> 1) + (c & 1);
+          for (int c = 0; c < kCols; ++c) {
+            const float alpha = s_alpha[ps * N + narrow_row(c, q)];
+            const int k = 4 * (c >> 1) + (c & 1);
 #pragma unroll
-          for (int mb = 0; mb < 8; ++mb) {
-            o[mb][k] *= alpha;
-            o[mb][k + 2] *= alpha;
+            for (int mb = 0; mb < 8; ++mb) {
+              o[mb][k] *= alpha;
+              o[mb][k + 2] *= alpha;
+            }
           }
         }
         const int valid = tok_hi - (tok_lo + i * kTile);
