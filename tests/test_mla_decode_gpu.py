@@ -148,6 +148,51 @@ def test_fp8_narrow_without_images_tma_equals_cp_async(rng, monkeypatch, page, h
     _assert_tma_equals_cp_async(monkeypatch, case, seed)
 
 
+def _rising_case(g, heads, s_q, page):
+    """An FP8 case whose scores jump late in each sequence: every token's latent is 0.25 sign(u) (plus noise 0.05)
+    and the last one that all new tokens see 0.5 sign(u), with head h's queries f_h u (f_h from 0.7 to 1.3), so the
+    jump is about 7-14 (log2 of the softmax's factor) above the running maximum depending on the head: below the
+    kernels' slack of 8 (P^T above 1) and past it (the maxima move while the earlier tokens still carry most of the
+    weight)."""
+    case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, FP8, device="cpu")
+    kv = case["kv_cache"].double()
+    u = torch.randn(512, generator=g, dtype=torch.float64)
+    table = case["block_table"]
+    for b, n in enumerate(MIX):
+        t = torch.arange(n)
+        pid, slot = table[b, t // page].long(), t % page
+        level = torch.full((n, 1), 0.25, dtype=torch.float64)
+        level[max(n - s_q, 0)] = 0.5
+        lat = level * u.sign() + 0.05 * torch.randn(n, 512, generator=g, dtype=torch.float64)
+        kv[pid, slot, :512] = lat / case["kv_scale"]
+        kv[pid, slot, 512:] = 0.1 * torch.randn(n, 64, generator=g, dtype=torch.float64) / case["kv_scale"]
+    f = torch.linspace(0.7, 1.3, heads, dtype=torch.float64)[None, None, :, None]
+    q = f * u + 0.02 * torch.randn(len(MIX), s_q, heads, 512, generator=g, dtype=torch.float64)
+    case.update(
+        kv_cache=kv.to(FP8).to(DEV),
+        q_nope=q.to(torch.bfloat16).to(DEV),
+        q_pe=(0.1 * case["q_pe"]).to(DEV),
+        block_table=table.to(DEV),
+        seq_lens=case["seq_lens"].to(DEV),
+    )
+    return case
+
+
+@pytest.mark.parametrize("page", [1, 64])
+@pytest.mark.parametrize("heads, s_q", [(16, 1), (32, 1), (16, 2), (7, 3)])
+@pytest.mark.parametrize("num_sms", [None, 3])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_fp8_narrow_rising_maxima(rng, monkeypatch, page, heads, s_q, num_sms, q_dtype):
+    """The narrow kernels (bf16 queries: without fp16 images; fp16: fp16 stages) where a sequence's last scores jump
+    above all before by less and by more than the running maxima's slack: against float64."""
+    seed, g = rng
+    case = _rising_case(g, heads, s_q, page)
+    case["q_nope"], case["q_pe"] = case["q_nope"].to(q_dtype), case["q_pe"].to(q_dtype)
+    _backend(monkeypatch, "auto", case)
+    got = run_decode(case, SM_SCALE, num_sms=num_sms)
+    assert_close(*got, *reference(case, SM_SCALE, device=DEV), q_dtype, f"seed {seed}", lse_tol=lse_tol(case))
+
+
 # Rows (heads x s_q) across the kernels' bounds: FP8 up to 32 rows on the narrow kernel, more on the 64-row one with
 # its producer warpgroup (64: one full row block, 99: a partial second one); bf16 on the 64-row one throughout.
 @pytest.mark.parametrize("heads, s_q", [(128, 1), (128, 2), (64, 2), (32, 2), (33, 3), (32, 1), (16, 8), (3, 5)])

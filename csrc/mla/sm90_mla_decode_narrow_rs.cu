@@ -8,14 +8,14 @@
 // exactly, so Q_hi + Q_lo / 16 is the query itself and the scores take the FP8 tensor cores at no cost in accuracy
 // (the softmax scale multiplies the fp32 scores). fp16 queries (11 significant bits) stay on the other kernel.
 //
-// Three warpgroups. The copying one (its registers given to the other two) brings each tile into one of 3 or 4
-// buffers as a 128-byte swizzled [5 column blocks][64 rows][128 bytes] image (latent columns 0-511, then 448-575 for
-// the rope): by TMA from one thread where the one-tensor cache's pages hold whole tiles, else by cp.async token
-// rows. Warpgroup 0 computes the scores and the online softmax and hands P^T and the rescale factors to warpgroup 1
-// through two slots; warpgroup 1 reads the tile's latent columns with ldmatrix.trans (tokens along wgmma's K side),
-// widens them to fp16 in registers (E4M3 -> fp16 is exact) and accumulates the output, then frees the tile and the
-// slot, so warpgroup 0 works on tile i + 1 while warpgroup 1 works on tile i. Same schedule, workspace and combine
-// as the other decode kernels.
+// Three warpgroups at 16 rows, four at 32. The copying one (its registers given to the others) brings each tile into
+// one of 4 or 5 buffers as a 128-byte swizzled [5 column blocks][64 rows][128 bytes] image (latent columns 0-511,
+// then 448-575 for the rope): by TMA from one thread where the one-tensor cache's pages hold whole tiles, else by
+// cp.async token rows. The scoring warpgroups (one; two at 32 rows, 16 rows each) compute the scores and the online
+// softmax and hand P^T and the rescale factors to the output warpgroup through two slots; it reads the tile's latent
+// columns with ldmatrix.trans (tokens along wgmma's K side), widens them to fp16 in registers (E4M3 -> fp16 is
+// exact) and accumulates the output, then frees the tile and the slot, so the scoring works on tile i + 1 while
+// the output works on tile i. Same schedule, workspace and combine as the other decode kernels.
 #include "mla/sm90_mla_common.cuh"
 
 namespace fim {
@@ -23,28 +23,39 @@ namespace sm90_mla {
 namespace narrow_rs {
 
 constexpr int kTileBytes = 5 * kBlock;               // [5 column blocks][64 rows][128 bytes]
-constexpr int kThreadsRs = 384;                      // warpgroups 0 and 1 compute, 2 copies
 constexpr int kRopeCol = 448;                        // the fifth block's first column: its bytes 64-127 are the rope
-constexpr int kBarMax = 6, kBarQ = 9, kBarOut = 10;  // named barriers (kBarOut: both warpgroups)
+constexpr int kBarMax = 6, kBarQ = 8, kBarOut = 10;  // named barriers (the first two: one each scoring warpgroup)
 constexpr float kSlack = 8.f;                        // log2 of how far P^T may exceed 1 before the maxima move
 
-// Q's FP8 parts [5 blocks][2N rows][128 bytes], the tile buffers, P^T [2 slots][N rows][64 tokens], the rescale
-// factors [2][N], the maxima exchange [2][4][N], the sums [4][N], the output factors [2][N], Q's row factors [N],
-// the slots' flags, barriers; 1024 bytes of slack for alignment. The queries are read from global memory where they
-// are split, so the tile buffers take the rest: 5 at 16 rows, 4 at 32.
+// The warpgroups: kSplit score the tiles (R = N / kSplit query rows each), then one accumulates the output and one
+// copies. At 32 rows two scoring warpgroups take 16 rows each: the scores, the softmax and P^T's stores of one
+// warpgroup for 32 rows set the pace, while the output's work is the same for 16 rows and 32 but its products.
+template <int N>
+struct Roles {
+  static constexpr int kSplit = N == 32 ? 2 : 1;
+  static constexpr int R = N / kSplit;
+  static constexpr int kOut = kSplit, kCopy = kSplit + 1;
+  static constexpr int kThreads = 128 * (kSplit + 2);
+};
+
+// Q's FP8 parts [kSplit][5 blocks][2R rows][128 bytes], the tile buffers, P^T [2 slots][N rows][64 tokens], the
+// rescale factors [2][N], the maxima exchange [kSplit][2][4][R], the sums [kSplit][4][R], the output factors [2][N],
+// Q's row factors [N], the slots' flags [2][2], barriers; 1024 bytes of slack for alignment. The queries are read
+// from global memory where they are split, so the tile buffers take the rest: 5 at 16 rows, 4 at 32.
 template <int N>
 struct Layout {
   static constexpr int kStages = N == 16 ? 5 : 4;
-  static constexpr int q_block = 2 * N * 128;
-  static constexpr int raw = 5 * q_block;
+  static constexpr int q_block = 2 * Roles<N>::R * 128;
+  static constexpr int q_image = 5 * q_block;
+  static constexpr int raw = Roles<N>::kSplit * q_image;
   static constexpr int p = raw + kStages * kTileBytes;
   static constexpr int alpha = p + 2 * N * 128;
   static constexpr int red = alpha + 2 * N * 4;
   static constexpr int sums = red + 2 * 4 * N * 4;
   static constexpr int inv = sums + 4 * N * 4;
   static constexpr int rinv = inv + 2 * N * 4;
-  static constexpr int moved = rinv + N * 4;  // [2]: did the tile in slot s move the maxima
-  static constexpr int bars = moved + 8;
+  static constexpr int moved = rinv + N * 4;  // [slot][scoring warpgroup]: did the tile move its maxima
+  static constexpr int bars = moved + 16;
   static constexpr int bytes = bars + 8 * (2 * kStages + 4) + 1024;
   static_assert(raw % 1024 == 0 && p % 1024 == 0 && bars % 8 == 0, "swizzled operands start at an atom");
 };
@@ -78,22 +89,27 @@ __device__ __forceinline__ bool wg_any(bool v, int id) {
   return r != 0;
 }
 
+__device__ __forceinline__ void bar_sync_n(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
   uint32_t r;
   asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
   return r;
 }
 
-// Q's two FP8 parts from the bf16 queries of sequence b (read from global memory; rows past the last read zeros),
-// by warpgroup 0: warp w takes rows w, w + 4, ...; each row's factor, a power of two, puts its largest value at
-// 224-448; s_rinv gets its inverse. Column c of the row lies in block c / 128 (c < 512) or 4 (the rope, bytes 64
-// on) of the parts' image.
-template <int N>
-__device__ __forceinline__ void split_queries(const Params& p, int b, uint32_t s_q, float* s_rinv, int warp, int lane) {
-  using L = Layout<N>;
-  for (int n = warp; n < N; n += 4) {
-    const bool ok = n < p.rows;
-    const int qi = ok ? n / p.heads : 0, h = ok ? n % p.heads : 0;
+// Q's two FP8 parts of query rows r0 .. r0 + R - 1 from the bf16 queries of sequence b (read from global memory;
+// rows past the last read zeros) into a scoring warpgroup's [5][2R][128] image: warp w takes rows w, w + 4, ...;
+// each row's factor, a power of two, puts its largest value at 224-448; s_rinv gets its inverse. Column c of the row
+// lies in block c / 128 (c < 512) or 4 (the rope, bytes 64 on) of the image.
+template <int R>
+__device__ __forceinline__ void split_queries(const Params& p, int b, int r0, uint32_t s_q, float* s_rinv, int warp,
+                                              int lane) {
+  constexpr int q_block = 2 * R * 128;
+  for (int n = warp; n < R; n += 4) {
+    const bool ok = r0 + n < p.rows;
+    const int qi = ok ? (r0 + n) / p.heads : 0, h = ok ? (r0 + n) % p.heads : 0;
     const uint16_t* qn = static_cast<const uint16_t*>(p.qn) + b * p.qn_b + qi * p.qn_s + h * p.qn_h;
     const uint16_t* qp = static_cast<const uint16_t*>(p.qp) + b * p.qp_b + qi * p.qp_s + h * p.qp_h;
     float v[3][8];
@@ -116,7 +132,7 @@ __device__ __forceinline__ void split_queries(const Params& p, int b, uint32_t s
     for (int x = 1; x < 32; x <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, x));
     // The largest power of two at most 448 / amax (its exponent bits), capped where amax is tiny or zero.
     const float f = amax > 0.f ? fminf(__int_as_float(__float_as_int(448.f / amax) & 0x7f800000), 0x1p100f) : 1.f;
-    if (lane == 0) s_rinv[n] = 1.f / f;
+    if (lane == 0) s_rinv[r0 + n] = 1.f / f;
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
       const int ch = lane + 32 * j;
@@ -140,8 +156,8 @@ __device__ __forceinline__ void split_queries(const Params& p, int b, uint32_t s
       const int blk = col < 512 ? col >> 7 : 4, byte = col < 512 ? col & 127 : 64 + col - 512;
 #pragma unroll
       for (int part = 0; part < 2; ++part) {
-        const int row = n + part * N;
-        const uint32_t addr = s_q + blk * L::q_block + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 8));
+        const int row = n + part * R;
+        const uint32_t addr = s_q + blk * q_block + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 8));
         sts64(addr, part ? lo[0] : hi[0], part ? lo[1] : hi[1]);
       }
     }
@@ -167,7 +183,7 @@ __device__ __forceinline__ void copy_rows_swizzled(const Params& p, uint32_t dst
   }
 }
 
-// Warpgroup 1's fp16 fragments of k step kk (tokens 16 kk .. 16 kk + 15) for its 8 products, from the tile at
+// The output warpgroup's fp16 fragments of k step kk (tokens 16 kk .. 16 kk + 15) for its 8 products, from the tile at
 // `tile`. Warp w's ldmatrix.trans of column group grp covers latent bytes 128 grp + 32 w .. + 31 (16-byte chunks
 // 8 grp + 2 w and + 1): a thread gets tokens 2q, 2q + 1 (and + 8) of latent columns 2g, 2g + 1 of each chunk. The
 // even columns feed product 2 grp, the odd ones 2 grp + 1; rows g / g + 8 of warp w's 16 are chunk 0 / chunk 1.
@@ -201,12 +217,15 @@ __device__ __forceinline__ void values_fragments(uint32_t tile, int kk, int warp
 }
 
 template <int N>
-__global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_kernel(const __grid_constant__ Params p) {
   using T = __nv_bfloat16;
   using L = Layout<N>;
-  constexpr int kCols = N / 4;              // query rows per thread
-  constexpr int NB = 2 * N;                 // the scores' columns: Q_hi's rows, then Q_lo's
-  constexpr int kChains = N == 16 ? 4 : 2;  // the scores' accumulators
+  constexpr int kSplit = Roles<N>::kSplit, R = Roles<N>::R;
+  constexpr int kCols = R / 4;                     // a scoring thread's query rows
+  constexpr int kColsOut = N / 4;                  // an output thread's
+  constexpr int NB = 2 * R;                        // the scores' columns: Q_hi's rows, then Q_lo's
+  constexpr int kChains = 4;                       // the scores' accumulators
+  constexpr int kOutThreads = 128 * (kSplit + 1);  // the scoring and output warpgroups
   constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_base = smem_u32(smem_raw);
@@ -220,9 +239,9 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
   float* s_rinv = reinterpret_cast<float*>(smem + L::rinv);
   int* s_moved = reinterpret_cast<int*>(smem + L::moved);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);  // [kStages] a tile landed
-  uint64_t* empty = full + kStages;                              // [kStages] warpgroup 1 done with it
+  uint64_t* empty = full + kStages;                              // [kStages] the output warpgroup done with it
   uint64_t* pfull = empty + kStages;                             // [2] P^T and the factors written
-  uint64_t* pempty = pfull + 2;                                  // [2] warpgroup 1 done with them
+  uint64_t* pempty = pfull + 2;                                  // [2] the output warpgroup done with them
 
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), t = tid & 127, warp = t >> 5;
   const int lane = tid & 31, q = lane & 3;
@@ -233,7 +252,7 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
       bar_init(&empty[s], 128);
     }
     for (int s = 0; s < 2; ++s) {
-      bar_init(&pfull[s], 128);
+      bar_init(&pfull[s], 128 * kSplit);
       bar_init(&pempty[s], 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -247,9 +266,10 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
   const int32_t* slot_of = splits_of + B;
   const int end = min(prog * chunk + chunk, total);
 
-  // 224 registers for each computing thread (warpgroup 1 holds the output and two steps' fragments), 56 for the
-  // copying warpgroup: the 168 x 384 a CTA starts with.
-  if (wg == 2) {
+  // 224 registers for the output warpgroup (the output and two steps' fragments), 56 for the copying one, and the
+  // rest for the scoring ones: 224 for one (the 168 x 384 a CTA of 16 rows starts with), 112 each for two (the
+  // 128 x 512 of 32 rows).
+  if (wg == Roles<N>::kCopy) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
     if (p.tma && t != 0) return;
     // The copying warpgroup runs ahead through the pieces, bounded by the free buffers: by TMA (one thread; a tile's
@@ -283,31 +303,37 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-
-  int cursor = prog * chunk;
-  int b = slot_of[B + prog];
   const float kv_scale = p.kv_scale != nullptr ? *p.kv_scale : p.kv_scale_value;
+  // Each role walks the pieces on its own (ptxas gives a region one register budget, so the roles' loops are apart);
+  // tiles_done and pieces keep the barriers' phases.
+  if (wg < kSplit) {
+    if constexpr (kSplit == 1) {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+    } else {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 112;");
+    }
+    uint32_t tiles_done = 0, pieces = 0;
+    for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
+      const int splits = splits_of[b];
+      const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+      const int length = pc.length, tok_lo = pc.tok_lo, tok_hi = pc.tok_hi, ntiles = pc.ntiles;
+      const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
 
-  uint32_t tiles_done = 0, pieces = 0;  // the barriers' phases
-  while (cursor < end) {
-    const int splits = splits_of[b];
-    const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
-    const int length = pc.length, tok_lo = pc.tok_lo, tok_hi = pc.tok_hi, ntiles = pc.ntiles;
-    const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
-
-    if (wg == 0) {
-      wg_sync(kBarQ);  // the last piece's products are done with the parts
-      split_queries<N>(p, b, s_q, s_rinv, warp, lane);
+      // Scoring warpgroup wg: query rows r0 .. r0 + R - 1 against each tile.
+      const int r0 = wg * R;
+      const uint32_t s_qw = s_q + wg * L::q_image;
+      wg_sync(kBarQ + wg);  // the last piece's products are done with the parts
+      split_queries<R>(p, b, r0, s_qw, s_rinv, warp, lane);
       fence_async_smem();  // the parts' stores -> the wgmma's reads
-      wg_sync(kBarQ);
+      wg_sync(kBarQ + wg);
 
-      // This thread's query rows (the accumulator's columns 8 j + 2 q + e: index 2 j + e) and what they see.
+      // This thread's query rows (the accumulator's columns 8 j + 2 q + e: index 2 j + e, local row narrow_row) and
+      // what they see.
       int vis[kCols];
       float m[kCols], l[kCols], fac[kCols];
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        const int n = narrow_row(c, q);
+        const int n = r0 + narrow_row(c, q);
         vis[c] = n < p.rows ? min(p.causal ? length - p.s_q + 1 + n / p.heads : length, tok_hi) : 0;
         m[c] = -INFINITY;
         l[c] = 0.f;
@@ -324,7 +350,7 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
         for (int k = 0; k < 18; ++k) {
           const int blk = k < 16 ? k >> 2 : 4, kk = k < 16 ? k & 3 : k - 14;
           mma_scores_fp8<NB>(part[k % kChains], desc_k(tile + blk * kBlock + kk * 32),
-                             desc_k(s_q + blk * L::q_block + kk * 32), k >= kChains);
+                             desc_k(s_qw + blk * L::q_block + kk * 32), k >= kChains);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -343,7 +369,7 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
         float x0[kCols], x1[kCols], mx[kCols];
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
-          const int k = 4 * (c >> 1) + (c & 1), kl = k + N / 2;  // Q_hi's column, Q_lo's
+          const int k = 4 * (c >> 1) + (c & 1), kl = k + R / 2;  // Q_hi's column, Q_lo's
           x0[c] = t0 + ta < vis[c] ? (sc[k] + sc[kl] * 0.0625f) * fac[c] : -INFINITY;
           x1[c] = t0 + ta + 8 < vis[c] ? (sc[k + 2] + sc[kl + 2] * 0.0625f) * fac[c] : -INFINITY;
           mx[c] = fmaxf(x0[c], x1[c]);
@@ -351,20 +377,20 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
           for (int x = 4; x <= 16; x <<= 1) mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], x));
         }
         // The running maxima move only where a score passes them by more than 2^kSlack, so P^T stays below 2^kSlack
-        // (far inside fp16) and most tiles skip the exchange between the warps, and warpgroup 1 the rescaling.
+        // (far inside fp16) and most tiles skip the exchange between the warps, and the output the rescaling.
         bool pass = false;
 #pragma unroll
         for (int c = 0; c < kCols; ++c) pass |= mx[c] > m[c] + kSlack;
-        const bool move = wg_any(pass, kBarMax);
-        float* red = s_red + (g & 1) * 4 * N;
-        if (move) narrow_share<N>(mx, red, warp, lane, q, kBarMax);
+        const bool move = wg_any(pass, kBarMax + wg);
+        float* red = s_red + (2 * wg + (g & 1)) * 4 * R;
+        if (move) narrow_share<R>(mx, red, warp, lane, q, kBarMax + wg);
         const uint32_t ps = g & 1, pt = s_p + ps * (N * 128);
         if (g >= 2) bar_wait(&pempty[ps], ((g - 2) >> 1) & 1);
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
-          const int n = narrow_row(c, q);
+          const int nl = narrow_row(c, q), n = r0 + nl;
           if (move) {
-            const float tile_max = fmaxf(fmaxf(red[n], red[N + n]), fmaxf(red[2 * N + n], red[3 * N + n]));
+            const float tile_max = fmaxf(fmaxf(red[nl], red[R + nl]), fmaxf(red[2 * R + nl], red[3 * R + nl]));
             const float mn = fmaxf(m[c], tile_max);
             const float alpha = exp2f(m[c] - (mn == -INFINITY ? 0.f : mn));
             m[c] = mn;
@@ -380,17 +406,18 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
           sts16(row + (((ta >> 3) ^ sw) << 4) + (ta & 7) * 2, __half_as_ushort(__float2half_rn(x0[c])));
           sts16(row + ((((ta + 8) >> 3) ^ sw) << 4) + (ta & 7) * 2, __half_as_ushort(__float2half_rn(x1[c])));
         }
-        if (t == 0) s_moved[ps] = move;
-        fence_async_smem();  // P^T's stores -> warpgroup 1's wgmma reads
+        if (t == 0) s_moved[2 * ps + wg] = move;
+        fence_async_smem();  // P^T's stores -> the output warpgroup's wgmma reads
         sm90_wgmma::bar_arrive(&pfull[ps]);
       }
 
-      narrow_sum_rows<N>(l, s_sums, warp, lane, q, kBarMax);
+      float* sums = s_sums + wg * 4 * R;
+      narrow_sum_rows<R>(l, sums, warp, lane, q, kBarMax + wg);
       float* inv = s_inv + (pieces & 1) * N;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        const int n = narrow_row(c, q);
-        const float sum = s_sums[n] + s_sums[N + n] + s_sums[2 * N + n] + s_sums[3 * N + n];
+        const int nl = narrow_row(c, q), n = r0 + nl;
+        const float sum = sums[nl] + sums[R + nl] + sums[2 * R + nl] + sums[3 * R + nl];
         const bool any = ntiles > 0 && sum > 0.f;
         const float lse = any ? m[c] + log2f(sum) : -INFINITY;
         if (warp == 0 && lane < 4) inv[n] = any ? kv_scale / sum : 0.f;
@@ -402,82 +429,95 @@ __global__ void __launch_bounds__(kThreadsRs, 1) mla_decode_narrow_rs_kernel(con
           p.part_lse[slot * p.rows + n] = lse;
         }
       }
-      named_sync(kBarOut);
-    } else {
-      float o[8][N / 2];
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-        for (int i = 0; i < N / 2; ++i) o[mb][i] = 0.f;
-      for (int i = 0; i < ntiles; ++i) {
-        const uint32_t g = tiles_done + i, s = g % kStages, tile = s_raw + s * kTileBytes;
-        const uint32_t ps = g & 1, pt = s_p + ps * (N * 128);
-        bar_wait(&pfull[ps], (g >> 1) & 1);
-        bar_wait(&full[s], (g / kStages) & 1);  // the tile's bytes, for this warpgroup's own reads
-        if (s_moved[ps]) {
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) {
-            const float alpha = s_alpha[ps * N + narrow_row(c, q)];
-            const int k = 4 * (c >> 1) + (c & 1);
-#pragma unroll
-            for (int mb = 0; mb < 8; ++mb) {
-              o[mb][k] *= alpha;
-              o[mb][k + 2] *= alpha;
-            }
-          }
-        }
-        const int valid = tok_hi - (tok_lo + i * kTile);
-        uint32_t fr[2][8][4];
-        values_fragments(tile, 0, warp, lane, valid, fr[0]);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          wgmma_fence();
-#pragma unroll
-          for (int mb = 0; mb < 8; ++mb) mma_values_rs<N>(o[mb], fr[kk & 1][mb], desc_k(pt + kk * 32));
-          wgmma_commit();
-          if (kk < 3) values_fragments(tile, kk + 1, warp, lane, valid, fr[(kk + 1) & 1]);
-          wgmma_wait<0>();
-        }
-#pragma unroll
-        for (int mb = 0; mb < 8; ++mb) fence_regs(o[mb]);
-        sm90_wgmma::bar_arrive(&pempty[ps]);
-        sm90_wgmma::bar_arrive(&empty[s]);
-      }
+      bar_sync_n(kBarOut, kOutThreads);
+      tiles_done += ntiles;
+      ++pieces;
+      cursor = pc.piece_end;
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  uint32_t tiles_done = 0, pieces = 0;
+  for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
+    const int splits = splits_of[b];
+    const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+    const int tok_lo = pc.tok_lo, tok_hi = pc.tok_hi, ntiles = pc.ntiles;
+    const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
 
-      // out^T's columns are this thread's query rows; product mb = 2 grp + e holds latent columns 128 grp + 32 w +
-      // 2 g + e (row g) and + 16 (row g + 8).
-      named_sync(kBarOut);
-      const float* inv = s_inv + (pieces & 1) * N;
-      const int col0 = 32 * warp + 2 * (lane >> 2);
+    float o[8][N / 2];
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int n = narrow_row(c, q), k = 4 * (c >> 1) + (c & 1);
-        if (n >= p.rows) continue;
-        const float f = inv[n];
-        const int qi = n / p.heads, h = n % p.heads;
-        if (splits == 1) {
-          T* out = static_cast<T*>(p.out) + b * p.o_b + qi * p.o_s + h * p.o_h + col0;
+    for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
-          for (int mb = 0; mb < 8; ++mb) {
-            const int col = 128 * (mb >> 1) + (mb & 1);
-            out[col] = static_cast<T>(o[mb][k] * f);
-            out[col + 16] = static_cast<T>(o[mb][k + 2] * f);
-          }
-        } else {
-          float* out = p.part_out + (slot * p.rows + n) * 512 + col0;
+      for (int i = 0; i < N / 2; ++i) o[mb][i] = 0.f;
+    for (int i = 0; i < ntiles; ++i) {
+      const uint32_t g = tiles_done + i, s = g % kStages, tile = s_raw + s * kTileBytes;
+      const uint32_t ps = g & 1, pt = s_p + ps * (N * 128);
+      bar_wait(&pfull[ps], (g >> 1) & 1);
+      bar_wait(&full[s], (g / kStages) & 1);  // the tile's bytes, for this warpgroup's own reads
+#pragma unroll
+      for (int half = 0; half < kSplit; ++half) {
+        if (!s_moved[2 * ps + half]) continue;
+#pragma unroll
+        for (int c = half * kColsOut / kSplit; c < (half + 1) * kColsOut / kSplit; ++c) {
+          const float alpha = s_alpha[ps * N + narrow_row(c, q)];
+          const int k = 4 * (c >> 1) + (c & 1);
 #pragma unroll
           for (int mb = 0; mb < 8; ++mb) {
-            const int col = 128 * (mb >> 1) + (mb & 1);
-            out[col] = o[mb][k] * f;
-            out[col + 16] = o[mb][k + 2] * f;
+            o[mb][k] *= alpha;
+            o[mb][k + 2] *= alpha;
           }
+        }
+      }
+      const int valid = tok_hi - (tok_lo + i * kTile);
+      uint32_t fr[2][8][4];
+      values_fragments(tile, 0, warp, lane, valid, fr[0]);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma_fence();
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) mma_values_rs<N>(o[mb], fr[kk & 1][mb], desc_k(pt + kk * 32));
+        wgmma_commit();
+        if (kk < 3) values_fragments(tile, kk + 1, warp, lane, valid, fr[(kk + 1) & 1]);
+        wgmma_wait<0>();
+      }
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb) fence_regs(o[mb]);
+      sm90_wgmma::bar_arrive(&pempty[ps]);
+      sm90_wgmma::bar_arrive(&empty[s]);
+    }
+
+    // out^T's columns are this thread's query rows; product mb = 2 grp + e holds latent columns 128 grp + 32 w +
+    // 2 g + e (row g) and + 16 (row g + 8).
+    bar_sync_n(kBarOut, kOutThreads);
+    const float* inv = s_inv + (pieces & 1) * N;
+    const int col0 = 32 * warp + 2 * (lane >> 2);
+#pragma unroll
+    for (int c = 0; c < kColsOut; ++c) {
+      const int n = narrow_row(c, q), k = 4 * (c >> 1) + (c & 1);
+      if (n >= p.rows) continue;
+      const float f = inv[n];
+      const int qi = n / p.heads, h = n % p.heads;
+      if (splits == 1) {
+        T* out = static_cast<T*>(p.out) + b * p.o_b + qi * p.o_s + h * p.o_h + col0;
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) {
+          const int col = 128 * (mb >> 1) + (mb & 1);
+          out[col] = static_cast<T>(o[mb][k] * f);
+          out[col + 16] = static_cast<T>(o[mb][k + 2] * f);
+        }
+      } else {
+        float* out = p.part_out + (slot * p.rows + n) * 512 + col0;
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) {
+          const int col = 128 * (mb >> 1) + (mb & 1);
+          out[col] = o[mb][k] * f;
+          out[col + 16] = o[mb][k + 2] * f;
         }
       }
     }
     tiles_done += ntiles;
     ++pieces;
     cursor = pc.piece_end;
-    ++b;
   }
 }
 
@@ -494,7 +534,7 @@ int launch_t(const Params& p, int programs, cudaStream_t stream) {
   static_assert(bytes <= 227 * 1024, "shared memory");
   cudaError_t err = sm90::opt_in_shared_memory<mla_decode_narrow_rs_kernel<N>>(bytes);
   if (err != cudaSuccess) return static_cast<int>(err);
-  mla_decode_narrow_rs_kernel<N><<<dim3(1, programs), kThreadsRs, bytes, stream>>>(p);
+  mla_decode_narrow_rs_kernel<N><<<dim3(1, programs), Roles<N>::kThreads, bytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
