@@ -1,7 +1,7 @@
 """The Hopper paged MLA decode written in CUDA, for bf16/fp16 or FP8 pages of any page size, tiles of 64 tokens
 copied with cp.async one token row at a time (so page 1 loads like page 64; bf16/fp16 pages of ``TMA_MIN_PAGE``
 tokens and more by TMA boxes instead) and read by wgmma in shared memory (FP8 tiles widened to fp16 there first,
-the queries scaled into fp16). Three kernels:
+the queries scaled into fp16; or, for FP8 pages under bf16 queries, multiplied as they landed). Three kernels:
 
 - ``csrc/mla/sm90_mla_decode.cu``: 64 (new token, head) rows per CTA, two warpgroups sharing the 512 output
   columns; bf16/fp16 pages, and FP8 pages of more than ``NARROW_MAX_ROWS`` rows (these with a third warpgroup that
@@ -12,7 +12,7 @@ the queries scaled into fp16). Three kernels:
 - ``csrc/mla/sm90_mla_decode_narrow_rs.cu``: the same rows and products without fp16 images, for bf16 queries
   (``NARROW_RS``): the scores by FP8 wgmma on the tile as it landed (by TMA for the one-tensor cache from page 64
   on, else by cp.async token rows), the queries split exactly into two FP8 parts, and the values' operand widened
-  in registers.
+  in registers; at 32 rows two warpgroups compute the scores, 16 rows each.
 
 All walk the same split-KV schedule as the Triton kernel (``mla/plan_kernel.py``; a plan made for them has 64-row
 blocks and one CTA per SM) and write split pieces to the same workspace, merged by the same combine kernel. FP8
@@ -59,7 +59,8 @@ NARROW_STAGES = 2
 # FP8 pages of up to NARROW_MAX_ROWS rows under bf16 queries: the narrow kernel without fp16 images
 # (csrc/mla/sm90_mla_decode_narrow_rs.cu: the scores by FP8 wgmma on the tile as it landed, the queries split into
 # two FP8 parts; the values from fragments widened in registers; 1.13-1.46x the fp16 stages on an H100,
-# docs/perf.md); False keeps the fp16 stages (as fp16 queries do).
+# docs/perf-notes.md, before its lazy maxima and second scoring warpgroup); False keeps the fp16 stages (as fp16
+# queries do).
 NARROW_RS = True
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 # Pages of at least this many tokens: the 64-row kernel's bf16/fp16 tiles by TMA (9 boxes a tile at page 64, issued
