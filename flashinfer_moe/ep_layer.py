@@ -461,23 +461,20 @@ class EPMoELayer(nn.Module):
         return super()._apply(fn, recurse)
 
     def _load_router(self, weights: Mapping[str, torch.Tensor], prefix: str) -> None:
-        name = f"{prefix}gate.weight"
-        if name not in weights:
-            raise ValueError(f"{name} must be given for a layer with a router, got no such key")
-        w = finite(name, _checks.tensor(name, weights[name]))
-        _checks.dtype_in(name, w, FLOATS)
-        if tuple(w.shape) != (self.num_experts, self.hidden_size):
-            raise ValueError(f"{name} must have shape {(self.num_experts, self.hidden_size)}, got {tuple(w.shape)}")
+        def checked(name: str, shape: tuple, what: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"{name} must be given for a layer with {what}, got no such key")
+            t = finite(name, _checks.tensor(name, weights[name]))
+            _checks.dtype_in(name, t, FLOATS)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+            return t
+
+        w = checked(f"{prefix}gate.weight", (self.num_experts, self.hidden_size), "a router")
         bias = None
         if self.correction_bias is not None:
-            bname = f"{prefix}gate.e_score_correction_bias"
-            if bname not in weights:
-                raise ValueError(f"{bname} must be given for a layer with a correction bias, got no such key")
-            bias = finite(bname, _checks.tensor(bname, weights[bname]))
-            _checks.dtype_in(bname, bias, FLOATS)
-            if tuple(bias.shape) != (self.num_experts,):
-                raise ValueError(f"{bname} must have shape ({self.num_experts},), got {tuple(bias.shape)}")
-        self.router_weight.copy_(w)
+            bias = checked(f"{prefix}gate.e_score_correction_bias", (self.num_experts,), "a correction bias")
+        self.router_weight.copy_(w)  # both checked before either is written
         if bias is not None:
             self.correction_bias.copy_(bias)
 

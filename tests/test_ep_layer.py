@@ -147,6 +147,12 @@ def _bad_input(rank: int, world: int, seed: int) -> dict[str, str]:
     out["inf bias"] = _caught(
         lambda: EPMoELayer(E, 4, 256, 128, correction_bias=True, **base).load_expert_weights(bias)
     )
+    out["missing router"] = _caught(
+        lambda: layer.load_expert_weights({k: v for k, v in weights.items() if k != "gate.weight"})
+    )
+    gate = dict(weights)
+    gate["gate.weight"] = weights["gate.weight"][:, :-1]
+    out["router shape"] = _caught(lambda: layer.load_expert_weights(gate))
     wrong = dict(weights)
     wrong["shared_experts.up_proj.weight"] = weights["shared_experts.up_proj.weight"][:, :128]
     out["wrong shape"] = _caught(lambda: layer.load_expert_weights(wrong))
@@ -170,6 +176,8 @@ def test_ep_layer_bad_input_raises_on_every_rank():
         assert "experts.0.down_proj.weight must hold finite values" in out["nan weight"], where
         assert "gate.e_score_correction_bias must hold finite values" in out["inf bias"], where
         assert "shared_experts.up_proj.weight must have shape" in out["wrong shape"], where
+        assert "gate.weight must be given for a layer with a router" in out["missing router"], where
+        assert f"gate.weight must have shape ({E}, 256)" in out["router shape"], where
         assert out["forward after refusals"] == "0.0", where
         assert out["too many tokens"].startswith("ValueError: hidden_states must have at most"), where
 
