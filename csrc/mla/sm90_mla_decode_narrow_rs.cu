@@ -89,10 +89,6 @@ __device__ __forceinline__ bool wg_any(bool v, int id) {
   return r != 0;
 }
 
-__device__ __forceinline__ void bar_sync_n(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
   uint32_t r;
   asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
