@@ -184,6 +184,40 @@ __device__ __forceinline__ Rows look_up(const Params& p, const int32_t* bt_row, 
   return r;
 }
 
+// The block-table entries of the next D tiles a warp copies by token rows, looked up D tiles ahead of their copies:
+// at page 1 a tile's 64 entries are 256 bytes that no earlier tile touched, and a look_up made just before its copies
+// put a DRAM read on the copier's path every tile (on an H200 the copying warps spent a third of their time there,
+// and the tiles landed late). Lane j < PER holds the entry of token PER w + j of each tile; tokens from `hi` on: 0.
+template <int D, int PER = 16>
+struct PagesAhead {
+  int page[D];
+
+  __device__ __forceinline__ static int entry(const Params& p, const int32_t* bt_row, int t0, int hi, int warp,
+                                              int lane) {
+    const int tok = t0 + warp * PER + (lane & (PER - 1));
+    return tok < hi ? bt_row[tok >> p.page_shift] : 0;
+  }
+  // A piece's first D tiles from token t0 on (tiles kTile apart).
+  __device__ __forceinline__ void start(const Params& p, const int32_t* bt_row, int t0, int hi, int warp, int lane) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) page[d] = entry(p, bt_row, t0 + d * kTile, hi, warp, lane);
+  }
+  // The rows of the tile at t0 (the oldest entry), and the entries of the tile D on looked up in its place.
+  __device__ __forceinline__ Rows next(const Params& p, const int32_t* bt_row, int t0, int hi, int warp, int lane,
+                                       int elem) {
+    const int tok = t0 + warp * PER + (lane & (PER - 1));
+    Rows r;
+    r.ok = tok < hi;
+    const int64_t pg = page[0], slot = r.ok ? tok & ((1 << p.page_shift) - 1) : 0;
+    r.lat = (pg * p.ckv_p + slot * p.ckv_t) * elem;
+    r.rope = (pg * p.kpe_p + slot * p.kpe_t) * elem;
+#pragma unroll
+    for (int d = 0; d + 1 < D; ++d) page[d] = page[d + 1];
+    page[D - 1] = entry(p, bt_row, t0 + D * kTile, hi, warp, lane);
+    return r;
+  }
+};
+
 __device__ __forceinline__ void copy_rows(const Params& p, uint32_t stage, const Rows& rows, int warp, int lane) {
   const char* ckv = static_cast<const char*>(p.ckv) + lane * 16;
   const char* kpe = static_cast<const char*>(p.kpe) + (lane & 7) * 16;

@@ -84,9 +84,12 @@ __device__ __forceinline__ void widen_tile(uint32_t stage, int t, int valid) {
 
 // The loading warpgroup: a tile into its stage, by TMA boxes (bf16/fp16) or bulk copies (FP8: one a tile, or with
 // PAGED one a page, for pages below 64 tokens), issued by one warp, or by cp.async token rows (the whole warpgroup).
+// With token rows of bf16/fp16 pages the tiles' block-table entries come from `ahead`, looked up two tiles before (a
+// piece's tiles are issued in order).
 template <bool FP8, bool PAGED>
 __device__ __forceinline__ void issue_tile(const Params& p, const int32_t* bt_row, int t0, int hi, uint32_t stage,
-                                           uint64_t* bar, bool tma, bool copier, int warp, int lane) {
+                                           uint64_t* bar, bool tma, bool copier, int warp, int lane,
+                                           PagesAhead<2>& ahead) {
   if (tma) {
     if constexpr (FP8) {
       if constexpr (PAGED) {
@@ -99,7 +102,14 @@ __device__ __forceinline__ void issue_tile(const Params& p, const int32_t* bt_ro
     }
     return;
   }
-  const Rows rows = look_up(p, bt_row, t0, hi, warp, lane, FP8 ? 1 : 2);
+  // FP8 pages (the producer, whose registers the lookahead pushed into spills, 3-4% slower at page 16) look up as
+  // they copy.
+  Rows rows;
+  if constexpr (FP8) {
+    rows = look_up(p, bt_row, t0, hi, warp, lane, 1);
+  } else {
+    rows = ahead.next(p, bt_row, t0, hi, warp, lane, 2);
+  }
   if constexpr (FP8) {
     copy_rows_fp8(p, stage + kFp8Off, rows, warp, lane);
   } else {
@@ -137,13 +147,14 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
 template <typename T, bool FP8, bool PAGED, int CTA>
 __device__ __forceinline__ void begin_piece(const Params& p, const Piece& pc, const int32_t* bt_row, uint32_t base,
                                             uint64_t* full, uint64_t* qbar, uint32_t tiles_done, int b, int rb,
-                                            bool loads, bool tma, bool copier, int tid) {
+                                            bool loads, bool tma, bool copier, int tid, PagesAhead<2>& ahead) {
   asm volatile("bar.sync %0, %1;" ::"r"(kBarPiece), "n"(CTA) : "memory");
   const int warp = (tid & 127) >> 5, lane = tid & 31;
+  if (!FP8 && loads && !tma) ahead.start(p, bt_row, pc.tok_lo, pc.tok_hi, warp, lane);
   for (int i = 0; loads && i < 2 && i < pc.ntiles; ++i) {
     const uint32_t s = (tiles_done + i) & 1;
     issue_tile<FP8, PAGED>(p, bt_row, pc.tok_lo + i * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s], tma, copier,
-                           warp, lane);
+                           warp, lane, ahead);
   }
   copy_queries<T, kRows, CTA>(p, base, rb * kRows, b, tid);
   cp_async_arrive(qbar);
@@ -207,7 +218,8 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
   int b = slot_of[B + prog];
   uint32_t tiles_done = 0;  // tiles this CTA consumed so far: the stages' and barriers' phases
   uint32_t pieces = 0;
-  uint32_t tails = 0;  // partial last tiles so far (TMA): the `tail` barrier's phase
+  uint32_t tails = 0;   // partial last tiles so far (TMA): the `tail` barrier's phase
+  PagesAhead<2> ahead;  // token rows: the next two tiles' block-table entries (issue_tile)
 
   if (WS && wg == 2) {
     // The producer: tile i + 1 is prepared while the consumers work on tile i, and tile i + 2 issued into tile
@@ -217,7 +229,8 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
       const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
       const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
       const bool partial = tma && pc.ntiles > 0 && pc.tail_valid < kTile;
-      begin_piece<T, FP8, PAGED, kCta>(p, pc, bt_row, base, full, qbar, tiles_done, b, rb, true, tma, copier, tid);
+      begin_piece<T, FP8, PAGED, kCta>(p, pc, bt_row, base, full, qbar, tiles_done, b, rb, true, tma, copier, tid,
+                                       ahead);
       for (int i = -1; i < pc.ntiles; ++i) {
         const uint32_t g = tiles_done + i, s = g & 1;
         if (i + 1 < pc.ntiles)
@@ -225,7 +238,7 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
         if (i >= 0 && i + 2 < pc.ntiles) {
           bar_wait(&empty[s], (g >> 1) & 1);
           issue_tile<FP8, PAGED>(p, bt_row, pc.tok_lo + (i + 2) * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s],
-                                 tma, copier, warp, lane);
+                                 tma, copier, warp, lane, ahead);
         }
       }
       tiles_done += pc.ntiles;  // (consumer 0 alone counts pieces and tails for its waits)
@@ -251,7 +264,7 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
     const bool partial = tma && pc.ntiles > 0 && pc.tail_valid < kTile;
 
     begin_piece<T, FP8, PAGED, kCta>(p, pc, bt_row, base, full, qbar, tiles_done, b, rb, !WS && wg == 1, tma, copier,
-                                     tid);
+                                     tid, ahead);
 
     // Rows see tokens below vis (the causal diagonal among the new tokens, and the piece's end).
     int vis0 = 0, vis1 = 0;
@@ -403,7 +416,7 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
         if constexpr (!WS) {
           if (i + 2 < pc.ntiles)
             issue_tile<FP8, PAGED>(p, bt_row, pc.tok_lo + (i + 2) * kTile, pc.tok_hi, stage, &full[s], tma, copier,
-                                   warp, lane);
+                                   warp, lane, ahead);
           if (i + 1 < pc.ntiles)
             prepare_tile<FP8, WS>(base, full, ready, tail, g + 1, partial && i + 2 == pc.ntiles, pc.tail_valid, t);
         }

@@ -161,8 +161,8 @@ __device__ __forceinline__ void split_queries(const Params& p, int b, int r0, ui
 }
 
 // A tile's FP8 token rows by cp.async into the swizzled [5 blocks][64 rows][128 bytes] image, by the copying
-// warpgroup: warp w's rows 16 w .. 16 w + 15 (looked up one tile ahead, `rows`), lane l the latent chunk l (block
-// l / 8) and, for l < 4, rope chunk l (block 4, chunk 4 + l); rows past the sequence's end read zeros.
+// warpgroup: warp w's rows 16 w .. 16 w + 15 (their pages looked up three tiles ahead, `PagesAhead`), lane l the latent
+// chunk l (block l / 8) and, for l < 4, rope chunk l (block 4, chunk 4 + l); rows past the sequence's end read zeros.
 __device__ __forceinline__ void copy_rows_swizzled(const Params& p, uint32_t dst, const Rows& rows, int warp,
                                                    int lane) {
   const char* ckv = static_cast<const char*>(p.ckv) + lane * 16;
@@ -276,8 +276,8 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
       const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
       const int tok_lo = pc.tok_lo, tok_hi = pc.tok_hi;
       const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
-      Rows rows{};
-      if (!p.tma && tok_lo < tok_hi) rows = look_up(p, bt_row, tok_lo, tok_hi, warp, lane, 1);
+      PagesAhead<3> ahead;
+      if (!p.tma) ahead.start(p, bt_row, tok_lo, tok_hi, warp, lane);
       for (int t0 = tok_lo; t0 < tok_hi; t0 += kTile, ++g) {
         const uint32_t s = g % kStages, dst = s_raw + s * kTileBytes;
         if (p.tma) {
@@ -291,9 +291,8 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
           continue;
         }
         if (g >= kStages) bar_wait(&empty[s], ((g - kStages) / kStages) & 1);
-        copy_rows_swizzled(p, dst, rows, warp, lane);
+        copy_rows_swizzled(p, dst, ahead.next(p, bt_row, t0, tok_hi, warp, lane, 1), warp, lane);
         cp_async_arrive(&full[s]);
-        if (t0 + kTile < tok_hi) rows = look_up(p, bt_row, t0 + kTile, tok_hi, warp, lane, 1);
       }
       cursor = pc.piece_end;
     }
