@@ -12,10 +12,10 @@
 // one of 4 or 5 buffers as a 128-byte swizzled [5 column blocks][64 rows][128 bytes] image (latent columns 0-511,
 // then 448-575 for the rope): by TMA from one thread where the one-tensor cache's pages hold whole tiles, else by
 // cp.async token rows. The scoring warpgroups (one; two at 32 rows, 16 rows each) compute the scores and the online
-// softmax and hand P^T and the rescale factors to the output warpgroup through two slots; it reads the tile's latent
-// columns with ldmatrix.trans (tokens along wgmma's K side), widens them to fp16 in registers (E4M3 -> fp16 is
-// exact) and accumulates the output, then frees the tile and the slot, so the scoring works on tile i + 1 while
-// the output works on tile i. Same schedule, workspace and combine as the other decode kernels.
+// softmax and hand P^T and the rescale factors to the output warpgroup through two slots (three at 32 rows); it reads
+// the tile's latent columns with ldmatrix.trans (tokens along wgmma's K side), widens them to fp16 in registers (E4M3
+// -> fp16 is exact) and accumulates the output, then frees the tile and the slot, so the scoring works on tile i + 1
+// while the output works on tile i. Same schedule, workspace and combine as the other decode kernels.
 #include "mla/sm90_mla_common.cuh"
 
 namespace fim {
@@ -38,25 +38,28 @@ struct Roles {
   static constexpr int kThreads = 128 * (kSplit + 2);
 };
 
-// Q's FP8 parts [kSplit][5 blocks][2R rows][128 bytes], the tile buffers, P^T [2 slots][N rows][64 tokens], the
-// rescale factors [2][N], the maxima exchange [kSplit][2][4][R], the sums [kSplit][4][R], the output factors [2][N],
-// Q's row factors [N], the slots' flags [2][2], barriers; 1024 bytes of slack for alignment. The queries are read
-// from global memory where they are split, so the tile buffers take the rest: 5 at 16 rows, 4 at 32.
+// Q's FP8 parts [kSplit][5 blocks][2R rows][128 bytes], the tile buffers, P^T [kSlots][N rows][64 tokens], the
+// rescale factors [kSlots][N], the maxima exchange [kSplit][2][4][R], the sums [kSplit][4][R], the output factors
+// [2][N], Q's row factors [N], the slots' flags [kSlots][2], barriers; 1024 bytes of slack for alignment. The queries
+// are read from global memory where they are split, so the tile buffers take the rest: 5 at 16 rows, 4 at 32.
 template <int N>
 struct Layout {
   static constexpr int kStages = N == 16 ? 5 : 4;
+  // P^T and its factors, handed from the scoring warpgroups to the output one (three at 32 rows; 16 rows have room
+  // for two beside their five tile buffers)
+  static constexpr int kSlots = N == 32 ? 3 : 2;
   static constexpr int q_block = 2 * Roles<N>::R * 128;
   static constexpr int q_image = 5 * q_block;
   static constexpr int raw = Roles<N>::kSplit * q_image;
   static constexpr int p = raw + kStages * kTileBytes;
-  static constexpr int alpha = p + 2 * N * 128;
-  static constexpr int red = alpha + 2 * N * 4;
+  static constexpr int alpha = p + kSlots * N * 128;
+  static constexpr int red = alpha + kSlots * N * 4;
   static constexpr int sums = red + 2 * 4 * N * 4;
   static constexpr int inv = sums + 4 * N * 4;
   static constexpr int rinv = inv + 2 * N * 4;
   static constexpr int moved = rinv + N * 4;  // [slot][scoring warpgroup]: did the tile move its maxima
-  static constexpr int bars = moved + 16;
-  static constexpr int bytes = bars + 8 * (2 * kStages + 4) + 1024;
+  static constexpr int bars = moved + 32;
+  static constexpr int bytes = bars + 8 * (2 * kStages + 2 * kSlots) + 1024;
   static_assert(raw % 1024 == 0 && p % 1024 == 0 && bars % 8 == 0, "swizzled operands start at an atom");
 };
 
@@ -223,6 +226,7 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
   constexpr int kChains = 4;                       // the scores' accumulators
   constexpr int kOutThreads = 128 * (kSplit + 1);  // the scoring and output warpgroups
   constexpr int kStages = L::kStages;
+  constexpr int kSlots = L::kSlots;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_base = smem_u32(smem_raw);
   const uint32_t base = (raw_base + 1023) & ~1023u;
@@ -236,8 +240,8 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
   int* s_moved = reinterpret_cast<int*>(smem + L::moved);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);  // [kStages] a tile landed
   uint64_t* empty = full + kStages;                              // [kStages] the output warpgroup done with it
-  uint64_t* pfull = empty + kStages;                             // [2] P^T and the factors written
-  uint64_t* pempty = pfull + 2;                                  // [2] the output warpgroup done with them
+  uint64_t* pfull = empty + kStages;                             // [kSlots] P^T and the factors written
+  uint64_t* pempty = pfull + kSlots;                             // [kSlots] the output warpgroup done with them
 
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), t = tid & 127, warp = t >> 5;
   const int lane = tid & 31, q = lane & 3;
@@ -247,7 +251,7 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
       bar_init(&full[s], p.tma ? 1 : 128);
       bar_init(&empty[s], 128);
     }
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < kSlots; ++s) {
       bar_init(&pfull[s], 128 * kSplit);
       bar_init(&pempty[s], 128);
     }
@@ -308,6 +312,7 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
       asm volatile("setmaxnreg.dec.sync.aligned.u32 112;");
     }
     uint32_t tiles_done = 0, pieces = 0;
+    uint32_t ps = 0, pph = 0;  // the next P^T slot and its barriers' phase (kSlots need not be a power of two)
     for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
       const int splits = splits_of[b];
       const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
@@ -379,8 +384,8 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
         const bool move = wg_any(pass, kBarMax + wg);
         float* red = s_red + (2 * wg + (g & 1)) * 4 * R;
         if (move) narrow_share<R>(mx, red, warp, lane, q, kBarMax + wg);
-        const uint32_t ps = g & 1, pt = s_p + ps * (N * 128);
-        if (g >= 2) bar_wait(&pempty[ps], ((g - 2) >> 1) & 1);
+        const uint32_t pt = s_p + ps * (N * 128);
+        if (g >= kSlots) bar_wait(&pempty[ps], pph ^ 1);
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
           const int nl = narrow_row(c, q), n = r0 + nl;
@@ -404,6 +409,7 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
         if (t == 0) s_moved[2 * ps + wg] = move;
         fence_async_smem();  // P^T's stores -> the output warpgroup's wgmma reads
         sm90_wgmma::bar_arrive(&pfull[ps]);
+        if (++ps == kSlots) ps = 0, pph ^= 1;
       }
 
       float* sums = s_sums + wg * 4 * R;
@@ -433,6 +439,7 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
   uint32_t tiles_done = 0, pieces = 0;
+  uint32_t ps = 0, pph = 0;  // as the scoring warpgroups'
   for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
     const int splits = splits_of[b];
     const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
@@ -446,8 +453,8 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
       for (int i = 0; i < N / 2; ++i) o[mb][i] = 0.f;
     for (int i = 0; i < ntiles; ++i) {
       const uint32_t g = tiles_done + i, s = g % kStages, tile = s_raw + s * kTileBytes;
-      const uint32_t ps = g & 1, pt = s_p + ps * (N * 128);
-      bar_wait(&pfull[ps], (g >> 1) & 1);
+      const uint32_t pt = s_p + ps * (N * 128);
+      bar_wait(&pfull[ps], pph);
       bar_wait(&full[s], (g / kStages) & 1);  // the tile's bytes, for this warpgroup's own reads
 #pragma unroll
       for (int half = 0; half < kSplit; ++half) {
@@ -479,6 +486,7 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
       for (int mb = 0; mb < 8; ++mb) fence_regs(o[mb]);
       sm90_wgmma::bar_arrive(&pempty[ps]);
       sm90_wgmma::bar_arrive(&empty[s]);
+      if (++ps == kSlots) ps = 0, pph ^= 1;
     }
 
     // out^T's columns are this thread's query rows; product mb = 2 grp + e holds latent columns 128 grp + 32 w +
