@@ -4,7 +4,7 @@
 
 Batch 128, rows of 576 elements (bf16: 1152 bytes; FP8: 576), read once each by one Triton kernel that sums them
 (so the loads are kept), in four orders: contiguous, random 64-row pages, random 16-row pages, random rows (page
-1). Each order takes the fastest of a few launch shapes; CUDA-graph medians. The page-1 / page-64 time ratio is what
+1). Each order takes the fastest of a few launch shapes; CUDA-graph medians (``timing.time_graph``). The page-1 / page-64 time ratio is what
 the decode kernels' page-1 goal (within 10% of page 64) can reach at best. The FP8 rows are read 64 bytes a row per
 load, which holds this kernel below what the decode kernels reach on them; compare their orders with each other.
 """
@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import require_gpus, time_graph  # noqa: E402
+
+if __name__ == "__main__":
+    require_gpus(1)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 BATCH, ROW = 128, 576
 # (rows per block, columns per load, warps, programs per SM)
@@ -39,29 +47,6 @@ def _read_rows(src, idx, out, n_rows, ROW: tl.constexpr, BLOCK_R: tl.constexpr, 
     tl.store(out + pid * BLOCK_R * CH + offs_r[:, None] * CH + offs_c[None, :], acc)
 
 
-def time_graph(fn, calls: int = 5, reps: int = 20) -> float:
-    """Median microseconds of one call, from graphs of ``calls`` calls replayed ``reps`` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def best_time(src: torch.Tensor, idx: torch.Tensor, sms: int) -> float:
     """The fastest of SHAPES reading the rows of ``src`` `[n, ROW]` in the order ``idx`` `[n]`, us."""
     n = src.shape[0]
@@ -73,9 +58,11 @@ def best_time(src: torch.Tensor, idx: torch.Tensor, sms: int) -> float:
         best = min(
             best,
             time_graph(
-                lambda grid=grid, out=out, block_r=block_r, ch=ch, warps=warps: _read_rows[grid](
+                lambda i, grid=grid, out=out, block_r=block_r, ch=ch, warps=warps: _read_rows[grid](
                     src, idx, out, n, ROW=ROW, BLOCK_R=block_r, CH=ch, num_warps=warps
-                )
+                ),
+                calls=5,
+                reps=20,
             ),
         )
     return best

@@ -25,6 +25,7 @@ GPU_SCRIPTS = {
     "bench_permute.py": "needs a CUDA GPU",
     "bench_routing.py": "needs a CUDA GPU",
     "bench_sglang.py": "needs a CUDA GPU",
+    "mla_page_read_ceiling.py": "needs a CUDA GPU",
     "power_gemm.py": "needs a CUDA GPU",
     "profile_align.py": "needs a CUDA GPU",
     "profile_gemm_sm90.py": "needs a CUDA GPU of compute capability 9.0 (sm_90)",
