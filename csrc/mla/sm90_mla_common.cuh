@@ -171,17 +171,22 @@ struct Rows {
   bool ok;
 };
 
-template <int PER = 16>
-__device__ __forceinline__ Rows look_up(const Params& p, const int32_t* bt_row, int t0, int hi, int warp, int lane,
-                                        int elem) {
-  const int tok = t0 + warp * PER + (lane & (PER - 1));
+// The rows of token `tok` on page `page` (0 for tokens from `hi` on, whose copies read zeros).
+__device__ __forceinline__ Rows rows_at(const Params& p, int64_t page, int tok, int hi, int elem) {
   Rows r;
   r.ok = tok < hi;
-  const int64_t page = r.ok ? bt_row[tok >> p.page_shift] : 0;
   const int64_t slot = r.ok ? tok & ((1 << p.page_shift) - 1) : 0;
   r.lat = (page * p.ckv_p + slot * p.ckv_t) * elem;
   r.rope = (page * p.kpe_p + slot * p.kpe_t) * elem;
   return r;
+}
+
+template <int PER = 16>
+__device__ __forceinline__ Rows look_up(const Params& p, const int32_t* bt_row, int t0, int hi, int warp, int lane,
+                                        int elem) {
+  const int tok = t0 + warp * PER + (lane & (PER - 1));
+  const int64_t page = tok < hi ? bt_row[tok >> p.page_shift] : 0;
+  return rows_at(p, page, tok, hi, elem);
 }
 
 // The block-table entries of the next D tiles a warp copies by token rows, looked up D tiles ahead of their copies:
@@ -205,12 +210,7 @@ struct PagesAhead {
   // The rows of the tile at t0 (the oldest entry), and the entries of the tile D on looked up in its place.
   __device__ __forceinline__ Rows next(const Params& p, const int32_t* bt_row, int t0, int hi, int warp, int lane,
                                        int elem) {
-    const int tok = t0 + warp * PER + (lane & (PER - 1));
-    Rows r;
-    r.ok = tok < hi;
-    const int64_t pg = page[0], slot = r.ok ? tok & ((1 << p.page_shift) - 1) : 0;
-    r.lat = (pg * p.ckv_p + slot * p.ckv_t) * elem;
-    r.rope = (pg * p.kpe_p + slot * p.kpe_t) * elem;
+    const Rows r = rows_at(p, page[0], t0 + warp * PER + (lane & (PER - 1)), hi, elem);
 #pragma unroll
     for (int d = 0; d + 1 < D; ++d) page[d] = page[d + 1];
     page[D - 1] = entry(p, bt_row, t0 + D * kTile, hi, warp, lane);

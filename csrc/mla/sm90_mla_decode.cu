@@ -102,18 +102,12 @@ __device__ __forceinline__ void issue_tile(const Params& p, const int32_t* bt_ro
     }
     return;
   }
-  // FP8 pages (the producer, whose registers the lookahead pushed into spills, 3-4% slower at page 16) look up as
-  // they copy.
-  Rows rows;
   if constexpr (FP8) {
-    rows = look_up(p, bt_row, t0, hi, warp, lane, 1);
+    // FP8 pages (the producer, whose registers the lookahead pushed into spills, 3-4% slower at page 16) look up as
+    // they copy.
+    copy_rows_fp8(p, stage + kFp8Off, look_up(p, bt_row, t0, hi, warp, lane, 1), warp, lane);
   } else {
-    rows = ahead.next(p, bt_row, t0, hi, warp, lane, 2);
-  }
-  if constexpr (FP8) {
-    copy_rows_fp8(p, stage + kFp8Off, rows, warp, lane);
-  } else {
-    copy_rows(p, stage, rows, warp, lane);
+    copy_rows(p, stage, ahead.next(p, bt_row, t0, hi, warp, lane, 2), warp, lane);
   }
   cp_async_arrive(bar);
 }
