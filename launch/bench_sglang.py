@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.abc
-import importlib.machinery
 import json
 import os
 import socket
 import sys
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,6 +39,8 @@ from timing import require_gpus, time_eager, time_graph  # noqa: E402
 require_gpus(1)
 
 import torch  # noqa: E402
+
+from flashinfer_moe._import_standin import install_import_standin  # noqa: E402
 
 E, H, I, TOP_K, BLOCK = 256, 7168, 2048, 8, 128
 FP8 = torch.float8_e4m3fn
@@ -54,54 +53,13 @@ def note(line: str) -> None:
         print(f"# note: {line}", flush=True)
 
 
-# --------------------------------------------------------------------------------------- sgl_kernel stand-in
-
-
-class _Placeholder:
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Placeholder(f"{self._name}.{attr}")
-
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._name}: sgl_kernel is not installed (an import-only stand-in)")
-
-
-class _SglKernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``sgl_kernel`` and its submodules as empty modules whose attributes are :class:`_Placeholder`: SGLang's
-    CUDA MoE modules import names from it at module level, and the benchmark never calls those."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "sgl_kernel" or name.startswith("sgl_kernel."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-
-        def __getattr__(attr, _name=spec.name):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            return _Placeholder(f"{_name}.{attr}")
-
-        module.__getattr__ = __getattr__
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
 def ensure_sgl_kernel() -> None:
+    """SGLang's CUDA MoE modules import names from ``sgl_kernel`` at module level; the benchmark never calls
+    them, so where it does not import, an import-only stand-in answers."""
     try:
         import sgl_kernel  # noqa: F401
     except Exception as exc:  # absent, or its CUDA library does not load here
-        for name in [m for m in sys.modules if m == "sgl_kernel" or m.startswith("sgl_kernel.")]:
-            del sys.modules[name]
-        sys.meta_path.insert(0, _SglKernelFinder())
+        install_import_standin("sgl_kernel")
         note(f"sgl_kernel not importable ({type(exc).__name__}: {exc}); an import-only stand-in is installed")
 
 

@@ -9,51 +9,14 @@ never called on the MoE path) is answered by a stand-in, since no build for this
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
 import os
 import socket
-import sys
-import types
+
+from flashinfer_moe._import_standin import install_import_standin
 
 E, H, I = 32, 256, 256  # experts, hidden, intermediate: multiples of 128 for the FP8 block scales
 BLOCK = 128
-
-
-class _StandIn:
-    def __init__(self, name):
-        self._name = name
-
-    def __getattr__(self, attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _StandIn(f"{self._name}.{attr}")
-
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._name}: torchvision is not installed (a stand-in for import only)")
-
-
-class _TorchvisionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path=None, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-
-        def __getattr__(attr, _name=spec.name):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            return _StandIn(f"{_name}.{attr}")
-
-        module.__getattr__ = __getattr__
-        return module
-
-    def exec_module(self, module):
-        pass
 
 
 def _free_port() -> int:
@@ -83,7 +46,7 @@ def setup(world_size: int = 1, rank: int = 0, port: int | None = None) -> None:
     torch.set_num_threads(1)
     import transformers  # noqa: F401  (records that torchvision is absent before the stand-in exists)
 
-    sys.meta_path.insert(0, _TorchvisionFinder())
+    install_import_standin("torchvision")
     from sglang.srt.distributed import parallel_state
     from sglang.srt.layers.moe.utils import initialize_moe_config
     from sglang.srt.plugins import load_plugins
