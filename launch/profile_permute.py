@@ -1,6 +1,7 @@
-"""Runs the layout, permute and combine kernels a few times at the DeepSeek-V3 prefill shape, for a profiler:
+"""Runs the layout, permute and combine kernels a few times at DeepSeek-V3 decode (128 tokens) and prefill (4096)
+sizes, for a profiler:
 
-ncu --clock-control none --kernel-name regex:'scatter|combine|align' -c 8 python launch/profile_permute.py
+ncu --clock-control none --kernel-name regex:'scatter|combine|align' -c 16 python launch/profile_permute.py
 """
 
 import sys
@@ -15,16 +16,18 @@ import torch  # noqa: E402
 
 import flashinfer_moe as fm  # noqa: E402
 
-T, K, E, H = 4096, 8, 256, 7168
+K, E, H = 8, 256, 7168
 gen = torch.Generator().manual_seed(0)
-ids = torch.rand(T, E, generator=gen).argsort(-1)[:, :K].int().cuda()
-x = torch.randn(T, H, generator=gen).bfloat16().cuda()
-w = torch.rand(T, K, generator=gen).cuda()
-for _ in range(2):
-    layout = fm.moe_align_contiguous(ids, E, 128, validate=False)
-    fm.permute(x, layout)
-    fm.permute_fp8_per_token_group(x, layout)
-    fm.permute_nvfp4(x, layout, torch.tensor(0.002, device="cuda"))
-    y = torch.randn(layout.num_rows, H, device="cuda").bfloat16()
-    fm.combine(y, w, layout)
+for tokens in (128, 4096):
+    ids = torch.rand(tokens, E, generator=gen).argsort(-1)[:, :K].int().cuda()
+    x = torch.randn(tokens, H, generator=gen).bfloat16().cuda()
+    w = torch.rand(tokens, K, generator=gen).cuda()
+    for _ in range(2):
+        fm.moe_align_masked(ids, E, tokens, validate=False)
+        layout = fm.moe_align_contiguous(ids, E, 128, validate=False)
+        fm.permute(x, layout)
+        fm.permute_fp8_per_token_group(x, layout)
+        fm.permute_nvfp4(x, layout, torch.tensor(0.002, device="cuda"))
+        y = torch.randn(layout.num_rows, H, device="cuda").bfloat16()
+        fm.combine(y, w, layout)
 torch.cuda.synchronize()

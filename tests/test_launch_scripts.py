@@ -27,7 +27,6 @@ GPU_SCRIPTS = {
     "bench_sglang.py": "needs a CUDA GPU",
     "mla_page_read_ceiling.py": "needs a CUDA GPU",
     "power_gemm.py": "needs a CUDA GPU",
-    "profile_align.py": "needs a CUDA GPU",
     "profile_gemm_sm90.py": "needs a CUDA GPU of compute capability 9.0 (sm_90)",
     "profile_permute.py": "needs a CUDA GPU",
     "requant_error.py": "needs a CUDA GPU",
