@@ -219,7 +219,7 @@ def relative_error(a, b) -> float:
 def set_cuda_semantics(on: bool) -> None:
     """Makes the runner scale by ``routed_scaling_factor`` as it does on CUDA (where SGLang's model leaves it
     to the runner), or leave it to the model as on other devices."""
-    from flashinfer_moe import sglang_runner
+    from flashinfer_moe.integrations import sglang_runner
 
     sglang_runner.runner_applies_routed_scaling_factor = (lambda: True) if on else (lambda: False)
 
@@ -303,7 +303,7 @@ def case_nvfp4_reload(seed: int = 7, tokens: int = 13, split_bits: bool = False)
 def _nvfp4_reload(seed: int, tokens: int) -> dict:
     import torch
 
-    from flashinfer_moe.sglang_runner import K_PERMUTED, SPLIT_BITS
+    from flashinfer_moe.integrations.sglang_runner import K_PERMUTED, SPLIT_BITS
 
     ours, native = make_layer(True, "nvfp4"), make_layer(False, None)
     load(ours, checkpoint("nvfp4", seed))

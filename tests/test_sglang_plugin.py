@@ -17,7 +17,7 @@ pytest.importorskip("sglang", reason="the SGLang tests need sglang (the README's
 import sglang_cases as cases  # noqa: E402
 from launcher import run_ranks  # noqa: E402
 
-from flashinfer_moe import sglang_plugin  # noqa: E402
+from flashinfer_moe.integrations import sglang as sglang_plugin  # noqa: E402
 
 # Relative L2 error bounds: bf16 outputs; FP8 against SGLang's native bf16 path (which has no FP8 MoE on a
 # CPU) adds the FP8 rounding of the activations, which the float64 reference of our FP8 pipeline does not.
@@ -39,7 +39,7 @@ def sglang():
 
 def test_entry_point_discovered_and_flag_parsed(sglang):
     seen = sglang(cases.case_discovery)
-    assert "flashinfer_moe.sglang_plugin:register" in seen["entry_points"]
+    assert "flashinfer_moe.integrations.sglang:register" in seen["entry_points"]
     assert seen["choice"] and seen["parsed"] == "flashinfer_moe"
     assert "flashinfer_moe" in seen["resolved"]
     assert len(seen["hooked"]) == 6, seen["hooked"]
@@ -128,4 +128,4 @@ def test_extra_pins_the_supported_range():
     project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
     assert project["optional-dependencies"]["sglang"] == [f"sglang{sglang_plugin.SUPPORTED_SGLANG_SPEC}"]
     entry = project["entry-points"]["sglang.srt.plugins"]
-    assert entry == {"flashinfer_moe": "flashinfer_moe.sglang_plugin:register"}
+    assert entry == {"flashinfer_moe": "flashinfer_moe.integrations.sglang:register"}

@@ -1,7 +1,7 @@
 """The MoE runner behind SGLang's ``--moe-runner-backend flashinfer_moe``: which layers it takes, and the
 runner core that turns SGLang's standard dispatch output into its combine input with :func:`fused_moe`.
 
-Imported only by :mod:`flashinfer_moe.sglang_plugin`, once SGLang is known to be installed and in range.
+Imported only by :mod:`flashinfer_moe.integrations.sglang`, once SGLang is known to be installed and in range.
 
 Dimension legend: ``T`` tokens, ``k`` top-k, ``E`` local experts, ``H`` hidden, ``I`` intermediate.
 """
