@@ -19,7 +19,7 @@ FP8 = torch.float8_e4m3fn
 OUT_TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 LSE_TOL = 2e-4
 # FP8 pages under bf16 queries (up to 32 rows, or page 1) take the queries times the softmax scale in fp16
-# (mla/decode_kernel.py FP8_F16_MATH): one more rounding of 2^-11 relative per query element.
+# (flashinfer_moe/mla/decode_kernel.py FP8_F16_MATH): one more rounding of 2^-11 relative per query element.
 LSE_TOL_FP8_F16 = 1e-3
 
 
@@ -495,7 +495,7 @@ TMA_CASES = {
 @pytest.mark.parametrize("path", ["tma", "gathered"])
 @pytest.mark.parametrize("name", list(TMA_CASES))
 def test_decode_tma_tiles_interpreted(rng, interpreted, monkeypatch, name, path):
-    """Pages of at least a tile in a contiguous pool take the TMA tile loads (``mla/decode_tma.py``, emulated
+    """Pages of at least a tile in a contiguous pool take the TMA tile loads (``flashinfer_moe/mla/decode_tma.py``, emulated
     by the interpreter; forced for FP8 pages); the gathered loads, forced, on the same cases."""
     from flashinfer_moe.mla import decode_kernel
 

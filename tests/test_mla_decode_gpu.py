@@ -214,7 +214,7 @@ def test_heads_and_caches(rng, heads, s_q, cache, page):
         kpe_dtype=torch.bfloat16 if split else None,
         device=DEV,
     )
-    if torch.cuda.get_device_capability() == (9, 0):  # which kernel takes it (mla/decode_sm90.py)
+    if torch.cuda.get_device_capability() == (9, 0):  # which kernel takes it (flashinfer_moe/mla/decode_sm90.py)
         ckv, kpe = D._caches(case["kv_cache"], case["kpe_cache"], case["q_nope"])
         want = not split  # FP8 latent beside bf16 rope stays on Triton; all else takes a CUDA kernel
         assert decode_sm90.usable(case["q_nope"], ckv, kpe, decode_sm90.BLOCK_M) == want

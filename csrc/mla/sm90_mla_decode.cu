@@ -16,8 +16,8 @@
 //
 // Shared memory (128-byte swizzled, 8-row atoms of 1024 bytes): Q and each stage as [9 column blocks][64 rows]
 // [64 columns]; P as [64 rows][64 tokens]. The schedule (which pieces of which sequences a CTA walks) is the one
-// of mla/plan_kernel.py, and split pieces write the same workspace the Triton kernel does, merged by the same
-// combine kernel.
+// of flashinfer_moe/mla/plan_kernel.py, and split pieces write the same workspace the Triton kernel does, merged
+// by the same combine kernel.
 //
 // FP8 pages: a tile's copies land as plain [64 rows][576 bytes] in the upper half of its stage; the loading
 // warpgroup widens them to fp16 in place (E4M3 -> fp16 is exact) and signals the stage's `ready` barrier; the
