@@ -41,3 +41,11 @@ def nvfp4_kernel():
     from flashinfer_moe.moe import gemm_nvfp4_kernel
 
     return gemm_nvfp4_kernel
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """The JIT tests' fake nvcc, source tree and cache (tests/jit_cases.py)."""
+    from jit_cases import jit_env
+
+    yield from jit_env(tmp_path, monkeypatch)
