@@ -42,14 +42,8 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         module = types.ModuleType(spec.name)
         module.__path__ = []
-        package = self.package
-
-        def __getattr__(attr, _name=spec.name):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            return _StandIn(f"{_name}.{attr}", package)
-
-        module.__getattr__ = __getattr__
+        # The module's missing attributes resolve as a stand-in named after it would resolve its own.
+        module.__getattr__ = _StandIn(spec.name, self.package).__getattr__
         return module
 
     def exec_module(self, module):
