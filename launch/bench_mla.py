@@ -21,13 +21,13 @@ its score-sized tensors fit the 20 GB budget; each row's output checked against 
 against the float64 reference on a small case at the start), ``copy`` (a device-to-device copy of the same
 number of bytes: its time and the bytes read / that time).
 
-Everything is timed as medians of CUDA-graph replays (plan + decode in one graph; FlashMLA's metadata and
-combine kernels included). ``--sweep`` times kernel configurations (tokens per tile, warps, stages,
-programs per SM) per (h_q, s_q) class at s_k 8192, page 64, for ``flashinfer_moe/mla/decode.py``'s ``CONFIGS`` (``--tma``: those
-of the TMA tile loads, ``TMA_CONFIGS``). ``--paths triton,new`` times each row twice: ``new`` the default dispatch
-(on Hopper the CUDA kernel for bf16/fp16 pages), ``triton`` the Triton kernel (TMA tile loads where the cache's
-layout allows them), ``old`` Triton with the gathered pointer loads forced; ``fp8_bf16`` the default with FP8
-pages widened to bf16 (``FP8_F16_MATH`` off) instead of fp16.
+Everything is timed as medians of CUDA-graph replays (plan + decode in one graph; FlashMLA's metadata and combine
+kernels included). ``--sweep`` times kernel configurations (tokens per tile, warps, stages, programs per SM) per
+(h_q, s_q) class at s_k 8192, page 64, for ``flashinfer_moe/mla/decode.py``'s ``CONFIGS`` (``--tma``: those of the
+TMA tile loads, ``TMA_CONFIGS``). ``--paths triton,new`` times each row twice: ``new`` the default dispatch (on
+Hopper the CUDA kernel for bf16/fp16 pages), ``triton`` the Triton kernel (TMA tile loads where the cache's layout
+allows them), ``old`` Triton with the gathered pointer loads forced; ``fp8_bf16`` the default with FP8 pages
+widened to bf16 (``FP8_F16_MATH`` off) instead of fp16.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
 
 Batch 128, rows of 576 elements (bf16: 1152 bytes; FP8: 576), read once each by one Triton kernel that sums them
 (so the loads are kept), in four orders: contiguous, random 64-row pages, random 16-row pages, random rows (page
-1). Each order takes the fastest of a few launch shapes; CUDA-graph medians (``timing.time_graph``). The page-1 / page-64 time ratio is what
-the decode kernels' page-1 goal (within 10% of page 64) can reach at best. The FP8 rows are read 64 bytes a row per
-load, which holds this kernel below what the decode kernels reach on them; compare their orders with each other.
+1). Each order takes the fastest of a few launch shapes; CUDA-graph medians (``timing.time_graph``). The page-1 /
+page-64 time ratio is what the decode kernels' page-1 goal (within 10% of page 64) can reach at best. The FP8 rows
+are read 64 bytes a row per load, which holds this kernel below what the decode kernels reach on them; compare
+their orders with each other.
 """
 
 from __future__ import annotations

@@ -495,8 +495,8 @@ TMA_CASES = {
 @pytest.mark.parametrize("path", ["tma", "gathered"])
 @pytest.mark.parametrize("name", list(TMA_CASES))
 def test_decode_tma_tiles_interpreted(rng, interpreted, monkeypatch, name, path):
-    """Pages of at least a tile in a contiguous pool take the TMA tile loads (``flashinfer_moe/mla/decode_tma.py``, emulated
-    by the interpreter; forced for FP8 pages); the gathered loads, forced, on the same cases."""
+    """Pages of at least a tile in a contiguous pool take the TMA tile loads (``flashinfer_moe/mla/decode_tma.py``,
+    emulated by the interpreter; forced for FP8 pages); the gathered loads, forced, on the same cases."""
     from flashinfer_moe.mla import decode_kernel
 
     lens, s_q, heads, page, q_dtype, cache_dtype, split, kpe_dtype = TMA_CASES[name]

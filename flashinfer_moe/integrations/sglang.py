@@ -4,9 +4,9 @@ kernels, with SGLang's own checkpoints, weight loader, routing and dispatcher.
 SGLang finds :func:`register` through the ``sglang.srt.plugins`` entry point of this package and calls it in
 every process before it parses its arguments. :func:`register` adds the backend name to the flag's choices,
 registers the runner core (:mod:`flashinfer_moe.integrations.sglang_runner`) and wraps four methods of the
-unquantized and FP8 MoE quant methods. The wrappers do nothing unless the flag names this backend; with it, each layer is
-either taken over (one log line per kind of layer) or left to SGLang's own runner with one warning naming
-what is not supported. On an SGLang outside :data:`SUPPORTED_SGLANG` the plugin logs one line and registers
+unquantized and FP8 MoE quant methods. The wrappers do nothing unless the flag names this backend; with it, each
+layer is either taken over (one log line per kind of layer) or left to SGLang's own runner with one warning
+naming what is not supported. On an SGLang outside :data:`SUPPORTED_SGLANG` the plugin logs one line and registers
 nothing, so the flag is refused by SGLang's parser.
 """
 

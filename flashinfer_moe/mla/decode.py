@@ -37,7 +37,7 @@ from .decode_configs import CONFIGS, TMA_CONFIGS, tma_layout
 
 __all__ = ["MLADecodePlan", "mla_decode", "mla_decode_plan"]
 
-UNIT, OVERHEAD = 64, 2  # the schedule's cost model (flashinfer_moe/mla/plan_kernel.py)
+UNIT, OVERHEAD = 64, 2  # the schedule's cost model (plan_kernel.py)
 CPU_NUM_SMS = 8  # the schedule's program count where there are no SMs (the CPU path ignores it)
 
 LIB.define("mla_decode_plan_(Tensor seq_lens, Tensor(a!) sched, int num_programs) -> ()")
@@ -199,7 +199,7 @@ class MLADecodePlan:
         batch, s_q, num_heads: the shapes the plan serves.
         num_programs: attention programs per row block; also the most pieces one sequence is split into.
         block_m: (new token, head) rows per program.
-        sched: `[2 + 4 B + num_programs]` int32 schedule (layout in ``flashinfer_moe/mla/plan_kernel.py``).
+        sched: `[2 + 4 B + num_programs]` int32 schedule (layout in ``plan_kernel.py``).
         part_out: `[S, s_q * Hq, 512]` fp32 partial outputs of split sequences (``S`` slots).
         part_lse: `[S, s_q * Hq]` fp32 their log2-sum-exp2.
     """
@@ -332,7 +332,7 @@ def mla_decode(
 ):
     """MLA decode, absorbed form, over a paged latent cache: per head ``softmax(sm_scale * (q_nope . ckv +
     q_pe . kpe)) . ckv``, reading bf16/fp16 or FP8 pages directly (FP8 is widened on chip: in shared memory by
-    the Hopper CUDA kernel, ``flashinfer_moe/mla/decode_sm90.py``, in registers by the Triton one; no dequantized copy of the
+    the Hopper CUDA kernel, ``decode_sm90.py``, in registers by the Triton one; no dequantized copy of the
     cache). FP8 pages there take the products in fp16, with the queries times ``sm_scale`` rounded to fp16.
 
     Query ``i`` of the ``s_q`` new tokens (already in the cache, its last ``s_q`` positions) sees positions

@@ -1,5 +1,5 @@
-"""Argument checks of the paged MLA decode (``flashinfer_moe/mla/decode.py``): every bad argument gets a ``ValueError`` or
-``TypeError`` naming it, the expectation and what it got. Dimension legend as in ``flashinfer_moe/mla/decode.py``."""
+"""Argument checks of the paged MLA decode (``decode.py``): every bad argument gets a ``ValueError`` or
+``TypeError`` naming it, the expectation and what it got. Dimension legend as in ``decode.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The paged MLA decode's combine kernel: a sequence split across programs gets its output and LSE from the
 pieces' partial outputs and LSEs (base 2), weighted by ``exp2(lse - max)``; sequences of one piece were written
-directly by the attention kernel and are skipped. Launched by ``flashinfer_moe/mla/decode_kernel.py``."""
+directly by the attention kernel and are skipped. Launched by ``decode_kernel.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Triton kernels of the paged MLA decode: the attention (split-KV flash decoding), and the launch of it and of
-the combine of split sequences' partial results (``flashinfer_moe/mla/decode_combine.py``).
+the combine of split sequences' partial results (``decode_combine.py``).
 
-The schedule (``sched``) comes from ``flashinfer_moe/mla/plan_kernel.py``.
+The schedule (``sched``) comes from ``plan_kernel.py``.
 
 Attention. Rows of the dot products are (new token, head) pairs of one sequence, ``BLOCK_M`` of them per
 program (grid axis 0, varying fastest, so the row blocks that read the same pages run together and share
@@ -10,8 +10,8 @@ page size 1 the same code as page 64). Scores are ``q_nope . ckv + q_pe . kpe`` 
 softmax in base 2, the values the first 512 columns of the same tile. FP8 pages are widened in registers after
 the load (to fp16 under bf16 queries in small row blocks, ``FP8_F16_MATH``; else to the query dtype); their scale
 multiplies the scores and the output instead. The gathered loads and the fold of a tile are in
-``flashinfer_moe/mla/decode_tile.py``. Where the pages
-hold whole tiles in a contiguous pool (``TMA``), a piece's tiles come by TMA instead (``flashinfer_moe/mla/decode_tma.py``).
+``decode_tile.py``. Where the pages
+hold whole tiles in a contiguous pool (``TMA``), a piece's tiles come by TMA instead (``decode_tma.py``).
 
 Imported only where a kernel is launched (never on the CPU path), so that ``TRITON_INTERPRET=1`` can be set
 before the first import to run the kernels on CPU tensors.
@@ -344,7 +344,7 @@ def launch_decode(
 ) -> None:
     """Attention then combine. ``ckv`` `[P, page, 512 or 576]`; ``kpe`` `[P, page, 64]` (a view of ``ckv``'s
     last 64 columns for the one-tensor layout); ``kv_scale`` a float or a 1-element fp32 tensor; ``lse`` may be
-    None; ``config["TMA"]``: the TMA loads (``flashinfer_moe/mla/decode_tma.py``) where the layout allows them. Shapes and dtypes
+    None; ``config["TMA"]``: the TMA loads (``decode_tma.py``) where the layout allows them. Shapes and dtypes
     arrive checked."""
     import torch
 
@@ -416,7 +416,7 @@ def launch_decode(
 
 def launch_combine(sched, part_out, part_lse, out, lse, block_m: int) -> None:
     """The merge of split sequences' partial results into ``out`` (and ``lse``, which may be None); also run
-    after the CUDA attention kernel (``flashinfer_moe/mla/decode_sm90.py``)."""
+    after the CUDA attention kernel (``decode_sm90.py``)."""
     batch, _, heads, _ = out.shape
     rows = part_out.shape[1]
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)

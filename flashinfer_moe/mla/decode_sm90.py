@@ -14,11 +14,11 @@ the queries scaled into fp16; or, for FP8 pages under bf16 queries, multiplied a
   on, else by cp.async token rows), the queries split exactly into two FP8 parts, and the values' operand widened
   in registers; at 32 rows two warpgroups compute the scores, 16 rows each.
 
-All walk the same split-KV schedule as the Triton kernel (``flashinfer_moe/mla/plan_kernel.py``; a plan made for them has 64-row
+All walk the same split-KV schedule as the Triton kernel (``plan_kernel.py``; a plan made for them has 64-row
 blocks and one CTA per SM) and write split pieces to the same workspace, merged by the same combine kernel. FP8
 latent pages beside bf16/fp16 rope pages, other GPUs and ``FLASHINFER_MOE_MLA_BACKEND=triton`` stay on the Triton
-kernel (``flashinfer_moe/mla/decode_kernel.py``).
-Dimension legend as in ``flashinfer_moe/mla/decode.py``.
+kernel (``decode_kernel.py``).
+Dimension legend as in ``decode.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The gathered-load path's pieces of the paged MLA decode (``flashinfer_moe/mla/decode_kernel.py``): one tile of cached tokens
+"""The gathered-load path's pieces of the paged MLA decode (``decode_kernel.py``): one tile of cached tokens
 loaded through the block table (any page size), and one loaded tile folded into the running online-softmax state.
 
-Imported only where a kernel is launched (never on the CPU path), like ``flashinfer_moe/mla/decode_kernel.py``.
+Imported only where a kernel is launched (never on the CPU path), like ``decode_kernel.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The attention of one sequence piece of the paged MLA decode (``flashinfer_moe/mla/decode_kernel.py``) with TMA tile loads, for
+"""The attention of one sequence piece of the paged MLA decode (``decode_kernel.py``) with TMA tile loads, for
 pools whose pages are token-major and contiguous (page stride = page * token stride; ``mla.decode.tma_layout``).
 
 Viewed as `[P * page, W]`, a tile of ``BLOCK_N`` tokens that one page holds is the ``BLOCK_N`` rows from

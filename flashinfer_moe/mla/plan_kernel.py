@@ -1,4 +1,4 @@
-"""Triton kernel of the paged MLA decode's split-KV schedule (one program), read by ``flashinfer_moe/mla/decode_kernel.py``.
+"""Triton kernel of the paged MLA decode's split-KV schedule (one program), read by ``decode_kernel.py``.
 
 Schedule. Every sequence costs ``ceil(L / UNIT) + OVERHEAD`` units (``UNIT`` = 64 tokens; the overhead stands
 for the per-piece fixed work: loading the queries, the epilogue, the combine). The costs are laid end to end
