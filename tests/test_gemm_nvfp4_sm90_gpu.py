@@ -38,11 +38,13 @@ def _assert_taken(a, w, out, offsets, capacity, act):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("act", [None, "silu", "clamped_silu"])
 @pytest.mark.parametrize("capacity", [1, 5, 8, 16, 31, 64, 100, 128])
-def test_masked(rng, capacity, act, out_dtype, split):
-    """n = 192 output columns: the second CTA column's second warpgroup has no rows; K = 320: a partial stage;
-    K-permuted weights and split bits."""
+@pytest.mark.parametrize("k", [320, 512])
+def test_masked(rng, k, capacity, act, out_dtype, split):
+    """n = 192 output columns: the second CTA column's second warpgroup has no rows; K = 320: a partial stage (and,
+    from 32-token tiles on, block scales by cp.async beside the TMA's boxes), K = 512: every box by TMA; K-permuted
+    weights and split bits."""
     seed, g = rng
-    num_experts, n, k = 5, 192, 320
+    num_experts, n = 5, 192
     gated = act is not None
     a = torch.randn(num_experts, capacity, k, generator=g).bfloat16().to(DEV)
     w, s, gs = (t.to(DEV) for t in nvfp4_weights(num_experts, 2 * n if gated else n, k, g, gated=gated))

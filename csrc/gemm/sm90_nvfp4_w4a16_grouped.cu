@@ -10,8 +10,8 @@
 // rows are the 64-row M side, the few tokens the N side), so every weight is expanded exactly once, by the
 // thread whose registers wgmma reads it from, and no expanded weight passes through shared memory. The
 // K-permuted layout puts each thread's bytes of one 64-deep span together: one 8-byte shared-memory load per row
-// and span. (Measured on an H200 it matches the Triton kernel at 8 rows per expert and trails it above;
-// moe/gemm_nvfp4_sm90.py routes accordingly, docs/perf.md.)
+// and span. (Measured on an H200 with split bits it leads the Triton kernel up to 64 rows per expert and trails it
+// at 128; moe/gemm_nvfp4_sm90.py routes accordingly, docs/perf.md.)
 //
 // Expansion: a byte-permute lookup turns four bytes into four bf16x2 (two tables of the bf16 high and low
 // bytes of the eight E2M1 magnitudes, the sign bits replicated into the high bytes), then one bf16x2 multiply
@@ -25,8 +25,9 @@
 // to the gate warpgroups through shared memory at the end), one CTA per (column block, expert), looping over the
 // group's token tiles (one at decode). A ring of shared-memory stages, each 256 K of the activations (wgmma's B
 // operand: 128-byte swizzled rows), the CTA's weight rows and their block scales, is filled with cp.async by the whole
-// CTA. At 8-16 tokens the integer pipe (the expansion's masks and shifts) and the weight stream set the time; at 64
-// tokens, latency (docs/perf.md and docs/perf-notes.md have the profiles).
+// CTA, or from 32-token tiles on by TMA boxes that one thread issues. At 8-16 tokens the integer pipe (the
+// expansion's masks and shifts) and the weight stream set the time; at 64 tokens, latency (docs/perf.md and
+// docs/perf-notes.md have the profiles).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -34,6 +35,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "sm90_launch.cuh"
 #include "sm90_nvfp4_ptx.cuh"
@@ -82,6 +84,15 @@ struct Params {
   // that the grid has min(rows, E) CTA rows, not one per expert, most of them idle at decode.
   int row_map;
 };
+// Tiles of 32 tokens and more (kTma): the stages by TMA, from these maps (128-byte swizzle; boxes of [T rows, 64] of a,
+// [64 rows, 128 bytes] of w, [64 rows, 16 bytes] of the block scales where s_tma, else those by cp.async). The smaller
+// tiles' kernels take Params alone (the maps' 64-byte alignment would move every field's offset).
+struct ParamsTma : Params {
+  int s_tma;  // K a multiple of 256: the block scales' rows are then whole 16-byte units
+  CUtensorMap map_a, map_w, map_s;
+};
+template <int T>
+using ParamsFor = typename std::conditional<(T >= 32), ParamsTma, Params>::type;
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -176,7 +187,8 @@ __device__ __forceinline__ float gated(float gate, float up, int act, float alph
 // others their up rows, in the same order); STAGES: shared-memory stages, each the activations, weights and scales
 // of 256 K; SPLIT: split-bits weights.
 template <int T, int W, bool GATED, int STAGES, bool SPLIT>
-__global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
+    nvfp4_grouped_kernel(const __grid_constant__ ParamsFor<T> p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kThreads = 128 * W, kRowsCta = 64 * W;
   constexpr int kWStageBytes = w_stage_bytes(W);
@@ -190,6 +202,10 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
   constexpr int kBufs = (T == 8 && !GATED) ? 2 : 1;
   constexpr int kXBytes = T * kStageK * 2;
   constexpr int kStageBytes = stage_bytes(T, W);
+  // From 32 tokens on the stages come by TMA, issued by one thread: at 64 tokens 1.08-1.13x faster on an H200 than
+  // every thread's cp.async, whose addresses and predicates take issue slots from the expansion; at 8 tokens it
+  // measured no faster (an H100: 0.97-1.00x, docs/perf-notes.md).
+  constexpr bool kTma = T >= 32;
   extern __shared__ uint8_t smem_raw[];
 
   int e = blockIdx.y;
@@ -222,14 +238,27 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
   // This thread's two local rows (wgmma's rows lane / 4 and lane / 4 + 8 of its warp's 16); both have the
   // same residue modulo 4, which the weight stage's swizzle uses.
   const int lr0 = wg * 64 + warp * 16 + (lane >> 2);
-  const uint32_t w_swz = lr0 & 3;
   // Shared-memory offsets of this thread's weight bytes and scales within a stage (rows lr0 and lr0 + 8 are 1024
-  // and 128 bytes further), and the low word of the descriptor of stage 0's first activation atom.
-  const uint32_t w_thread = kXBytes + lr0 * 128 + 8 * q;
+  // and 128 bytes further), and the low word of the descriptor of stage 0's first activation atom. The 32 bytes of
+  // span d of row lr: cp.async puts them at 32 (d ^ lr % 4) (this thread's 8 at 8 q in them); the TMA's swizzle
+  // puts 16-byte chunk c at c ^ lr % 8 (this thread's 8 bytes in chunk 2 d + q / 2, at 8 (q % 2)).
+  const uint32_t w_thread = kXBytes + lr0 * 128 + (kTma ? 8 * (q & 1) : 8 * q);
+  const uint32_t w_swz = kTma ? lr0 & 7 : lr0 & 3;
   // This thread's converted scale pairs (row lr0 + 8 j is 512 bytes further), and the raw scales it converts
   // for its warpgroup each stage (row wg * 64 + t / 2, groups 8 (t % 2) ... + 7, t its index in the warpgroup).
   const uint32_t pairs = base + STAGES * kStageBytes;  // pair_bytes(W)
   const uint32_t s_thread = pairs + lr0 * 64;
+  // kTma: [STAGES] mbarriers, a stage's TMA boxes landed, after the pairs; bit s of `phases` the parity of stage s's
+  // next wait.
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + (pairs + pair_bytes(W) - smem_u32(smem_raw)));
+  uint32_t phases = 0;
+  if constexpr (kTma) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < STAGES; ++s) sm90_wgmma::bar_init(&full[s], 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+  }
   const int conv_row = wg * 64 + ((threadIdx.x & 127) >> 1), conv_half = threadIdx.x & 1;
   const uint32_t desc_lo0 = (base >> 4) | (1u << 16);
 
@@ -241,10 +270,12 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
   // 128 rows x 4 copies of 4 bytes, a row's scales being only 4-byte aligned), advanced by one stage's bytes
   // per stage. Chunk c of weight row lr lands at c ^ 2 (lr % 4), so that a half-warp's four rows read four
   // different bank ranges.
-  constexpr int kWCopies = kRowsCta * 8 / kThreads, kSCopies = kRowsCta * 4 / kThreads, kXCopies = T * 32 / kThreads;
-  const uint8_t* w_src[kWCopies];
-  uint32_t w_dst[kWCopies];
-  int w_lim[kWCopies];  // bytes of the row past the copy's start in stage 0 (<= 0: no such row)
+  // kTma: only the scales, where the TMA does not bring them.
+  constexpr int kWCopies = kTma ? 0 : kRowsCta * 8 / kThreads, kSCopies = kRowsCta * 4 / kThreads;
+  constexpr int kXCopies = kTma ? 0 : T * 32 / kThreads;
+  const uint8_t* w_src[kWCopies > 0 ? kWCopies : 1];
+  uint32_t w_dst[kWCopies > 0 ? kWCopies : 1];
+  int w_lim[kWCopies > 0 ? kWCopies : 1];  // bytes of the row past the copy's start in stage 0 (<= 0: no such row)
 #pragma unroll
   for (int m = 0; m < kWCopies; ++m) {
     const int i = threadIdx.x + m * kThreads, lr = i >> 3, c = i & 7;
@@ -264,15 +295,21 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
     s_dst[m] = kXBytes + kWStageBytes + lr * 16 + 4 * c;
     s_lim[m] = wr >= 0 ? groups - 4 * c : 0;
   }
+  int tma_wgs = 0;  // kTma: warpgroups with weight rows (the others' boxes are not loaded)
+  bool scales_by_tma = false;
+  if constexpr (kTma) {
+    for (int w = 0; w < W; ++w) tma_wgs += weight_row(64 * w) >= 0;
+    scales_by_tma = p.s_tma;
+  }
 
   // A group larger than a tile runs as several tiles, one after the other, each reading this CTA's weight rows
   // again (from L2 after the first).
   for (int t0 = 0; t0 < count; t0 += T) {
     // Activations: T rows x 32 chunks of 16 bytes per stage, 128-byte swizzled per 64-K atom (wgmma's B); rows
     // past the group are zero-filled.
-    const __nv_bfloat16* x_src[kXCopies];
-    uint32_t x_dst[kXCopies];
-    int x_lim[kXCopies];
+    const __nv_bfloat16* x_src[kXCopies > 0 ? kXCopies : 1];
+    uint32_t x_dst[kXCopies > 0 ? kXCopies : 1];
+    int x_lim[kXCopies > 0 ? kXCopies : 1];
 #pragma unroll
     for (int m = 0; m < kXCopies; ++m) {
       const int i = threadIdx.x + m * kThreads, t = i >> 5, chunk = i & 31, c = chunk & 7;
@@ -285,6 +322,27 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
       if (s < stages) {
         const uint32_t buf = base + (s % STAGES) * kStageBytes;
         const int k0 = s * kStageK;
+        if constexpr (kTma) {
+          if (threadIdx.x == 0) {
+            // Four [T, 64] boxes of activations (rows past the group hold other groups' rows or, past the tensor,
+            // zeros: either reaches only output columns that are not stored) and each active warpgroup's weight rows
+            // (and scales); the generic reads of this buffer ended at the barrier before.
+            uint64_t* bar = &full[s % STAGES];
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            sm90_wgmma::bar_expect_tx(bar, kXBytes + tma_wgs * 64 * (128 + (scales_by_tma ? 16 : 0)));
+            uint8_t* dst = smem_raw + (buf - smem_u32(smem_raw));
+#pragma unroll
+            for (int a4 = 0; a4 < 4; ++a4)
+              sm90_wgmma::tma_load(dst + a4 * T * 128, &p.map_a, bar, k0 + 64 * a4, static_cast<int>(first_row + t0));
+            for (int w = 0; w < W; ++w) {
+              const int wr = weight_row(64 * w);
+              if (wr < 0) continue;
+              sm90_wgmma::tma_load(dst + kXBytes + w * 8192, &p.map_w, bar, k0 >> 1, e * p.nw + wr);
+              if (scales_by_tma)
+                sm90_wgmma::tma_load(dst + kXBytes + kWStageBytes + w * 1024, &p.map_s, bar, k0 >> 4, e * p.nw + wr);
+            }
+          }
+        }
 #pragma unroll
         for (int m = 0; m < kXCopies; ++m) {
           const bool ok = k0 < x_lim[m];
@@ -295,10 +353,12 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
           const bool ok = (k0 >> 1) < w_lim[m];
           cp_async_16(buf + w_dst[m], ok ? w_src[m] + (k0 >> 1) : p.w, ok ? 16 : 0);
         }
+        if (!scales_by_tma) {
 #pragma unroll
-        for (int m = 0; m < kSCopies; ++m) {
-          const bool ok = (k0 >> 4) < s_lim[m];
-          cp_async_4(buf + s_dst[m], ok ? s_src[m] + (k0 >> 4) : p.scale, ok ? 4 : 0);
+          for (int m = 0; m < kSCopies; ++m) {
+            const bool ok = (k0 >> 4) < s_lim[m];
+            cp_async_4(buf + s_dst[m], ok ? s_src[m] + (k0 >> 4) : p.scale, ok ? 4 : 0);
+          }
         }
       }
       cp_async_commit();
@@ -320,6 +380,10 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> wgmma's reads
       __syncthreads();
       load_stage(st + STAGES - 2);
+      if constexpr (kTma) {
+        sm90_wgmma::bar_wait(&full[st % STAGES], (phases >> (st % STAGES)) & 1);
+        phases ^= 1u << (st % STAGES);
+      }
       const uint32_t buf = base + (st % STAGES) * kStageBytes;
       const uint32_t w_addr = buf + w_thread;
       if (active) {
@@ -350,8 +414,8 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
         // since ptxas gives every span's fragments the same registers; with two: the span before, waited for
         // at the end of the previous span).
         if constexpr (kBufs == 1) wgmma_wait<0>();
-        // This thread's 8 bytes of span d in each of its rows (span d of row lr sits at 32 (d ^ lr % 4)).
-        const uint32_t w_span = w_addr + ((d ^ w_swz) << 5);
+        // This thread's 8 bytes of span d in each of its rows (where w_thread's comment says).
+        const uint32_t w_span = w_addr + (kTma ? ((2 * d + (q >> 1)) ^ w_swz) << 4 : (d ^ w_swz) << 5);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const uint2 wv = lds64(w_span + 1024 * j);
@@ -448,23 +512,28 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2) nvfp4_grouped_kernel(
 template <int T, bool GATED>
 constexpr int stages_for() {
   constexpr int W = warpgroups_for<T, GATED>();
-  constexpr int fit = ((W == 4 ? 226 : 110) * 1024 - pair_bytes(W)) / stage_bytes(T, W);
+  constexpr int fit = ((W == 4 ? 226 : 110) * 1024 - pair_bytes(W) - (T >= 32 ? 8 * 8 : 0)) / stage_bytes(T, W);
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
 }
 
 template <int T, bool GATED, bool SPLIT>
-cudaError_t launch(const Params& p, int grid_rows, cudaStream_t stream) {
+cudaError_t launch(const ParamsTma& p, int grid_rows, cudaStream_t stream) {
   constexpr int W = warpgroups_for<T, GATED>(), kStages = stages_for<T, GATED>();
-  constexpr int kSmem = kStages * stage_bytes(T, W) + pair_bytes(W) + 1024, kCols = cols_per_cta(W, GATED);
+  // The stages, the scale pairs, the stages' mbarriers (TMA), alignment. Not a byte more for the smaller tiles: two
+  // CTAs of 8-token tiles fill the 196 KB shared-memory carveout exactly, and 32 bytes more each (the next carveout,
+  // 228 KB, leaves L1 28 KB instead of 60) made them 1.06x slower on an H200.
+  constexpr int kSmem = kStages * stage_bytes(T, W) + pair_bytes(W) + (T >= 32 ? 8 * kStages : 0) + 1024;
+  constexpr int kCols = cols_per_cta(W, GATED);
   cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, W, GATED, kStages, SPLIT>>(kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.n_out + kCols - 1) / kCols, grid_rows);
-  nvfp4_grouped_kernel<T, W, GATED, kStages, SPLIT><<<grid, 128 * W, kSmem, stream>>>(p);
+  nvfp4_grouped_kernel<T, W, GATED, kStages, SPLIT>
+      <<<grid, 128 * W, kSmem, stream>>>(static_cast<const ParamsFor<T>&>(p));
   return cudaGetLastError();
 }
 
 template <bool GATED, bool SPLIT>
-cudaError_t launch_tile(const Params& p, int grid_rows, int tile, cudaStream_t stream) {
+cudaError_t launch_tile(const ParamsTma& p, int grid_rows, int tile, cudaStream_t stream) {
   switch (tile) {
     case 8:
       return launch<8, GATED, SPLIT>(p, grid_rows, stream);
@@ -479,8 +548,37 @@ cudaError_t launch_tile(const Params& p, int grid_rows, int tile, cudaStream_t s
   }
 }
 
+// The TMA's maps of a, w and (K a multiple of 256) the block scales, for tiles of `tile` tokens (kTma).
+cudaError_t encode_maps(ParamsTma& p, int rows, int tile) {
+  sm90::EncodeTiled fn = sm90::tensor_map_encoder();
+  if (fn == nullptr) return cudaErrorNotSupported;
+  const cuuint32_t ones[2] = {1, 1};
+  const cuuint64_t experts_rows = static_cast<cuuint64_t>(p.num_experts) * p.nw;
+  const cuuint64_t a_dims[2] = {static_cast<cuuint64_t>(p.k), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t a_strides[1] = {static_cast<cuuint64_t>(p.k) * 2};
+  const cuuint32_t a_box[2] = {64, static_cast<cuuint32_t>(tile)};
+  const cuuint64_t w_dims[2] = {static_cast<cuuint64_t>(p.k / 2), experts_rows};
+  const cuuint64_t w_strides[1] = {static_cast<cuuint64_t>(p.k / 2)};
+  const cuuint32_t w_box[2] = {128, 64};
+  const cuuint64_t s_dims[2] = {static_cast<cuuint64_t>(p.k / 16), experts_rows};
+  const cuuint64_t s_strides[1] = {static_cast<cuuint64_t>(p.k / 16)};
+  const cuuint32_t s_box[2] = {16, 64};
+  p.s_tma = p.k % 256 == 0;
+  const bool ok =
+      fn(&p.map_a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<__nv_bfloat16*>(p.a), a_dims, a_strides, a_box, ones,
+         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS &&
+      fn(&p.map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(p.w), w_dims, w_strides, w_box, ones,
+         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS &&
+      (!p.s_tma || fn(&p.map_s, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(p.scale), s_dims, s_strides,
+                      s_box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS);
+  return ok ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 template <bool SPLIT>
-cudaError_t launch_act(const Params& p, int grid_rows, int tile, cudaStream_t stream) {
+cudaError_t launch_act(const ParamsTma& p, int grid_rows, int tile, cudaStream_t stream) {
   return p.act ? launch_tile<true, SPLIT>(p, grid_rows, tile, stream)
                : launch_tile<false, SPLIT>(p, grid_rows, tile, stream);
 }
@@ -500,24 +598,29 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
   using namespace fim::sm90_nvfp4;
   if (k % 64 || nw % 64 || (act && nw % 128) || capacity <= 0 || rows <= 0) return cudaErrorInvalidValue;
   const int row_map = offsets != nullptr && rows < num_experts;
-  const Params p{static_cast<const __nv_bfloat16*>(a),
-                 static_cast<const uint8_t*>(w),
-                 static_cast<const uint8_t*>(scale),
-                 gscale,
-                 counts,
-                 offsets,
-                 out,
-                 capacity,
-                 nw,
-                 k,
-                 act ? nw / 2 : nw,
-                 gscale_stride,
-                 act,
-                 out_f32,
-                 alpha,
-                 limit,
-                 num_experts,
-                 row_map};
+  ParamsTma p{};
+  static_cast<Params&>(p) = Params{static_cast<const __nv_bfloat16*>(a),
+                                   static_cast<const uint8_t*>(w),
+                                   static_cast<const uint8_t*>(scale),
+                                   gscale,
+                                   counts,
+                                   offsets,
+                                   out,
+                                   capacity,
+                                   nw,
+                                   k,
+                                   act ? nw / 2 : nw,
+                                   gscale_stride,
+                                   act,
+                                   out_f32,
+                                   alpha,
+                                   limit,
+                                   num_experts,
+                                   row_map};
+  if (tile >= 32) {
+    const cudaError_t err = encode_maps(p, rows, tile);
+    if (err != cudaSuccess) return err;
+  }
   const auto s = static_cast<cudaStream_t>(stream);
   const int grid_rows = row_map ? rows : num_experts;
   return split_bits ? launch_act<true>(p, grid_rows, tile, s) : launch_act<false>(p, grid_rows, tile, s);
