@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
       for (int i = 0; i < S::bufs && i < nsegs; ++i) {
         const uint32_t r = (seg0 + i) % S::bufs, raw = s_raw + r * S::seg_bytes;
         if (bulk) {
-          if (t == 0) bulk_raw<S::seg_bytes>(p, bt_row, tok_lo + i * S::seg, raw, &full[r]);
+          if (t == 0) bulk_raw<S::seg_bytes, true>(p, bt_row, tok_lo + i * S::seg, raw, &full[r]);
           continue;
         }
         const Rows rows = look_up<S::per_warp>(p, bt_row, tok_lo + i * S::seg, tok_hi, warp, lane, 1);
@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
               if ((j * 128 + t) / 36 >= valid) v[j] = make_uint4(0u, 0u, 0u, 0u);
             }
             if (t == 0 && j0 + S::bufs < nsegs)
-              bulk_raw<S::seg_bytes>(p, bt_row, tok_lo + (j0 + S::bufs) * S::seg, raw, &full[r]);
+              bulk_raw<S::seg_bytes, true>(p, bt_row, tok_lo + (j0 + S::bufs) * S::seg, raw, &full[r]);
           } else if (j0 + S::bufs < nsegs) {
             copy_rows_fp8<S::per_warp>(p, raw, next, warp, lane);
             cp_async_arrive(&full[r]);

@@ -289,9 +289,8 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
           if (g >= kStages) bar_wait(&empty[s], ((g - kStages) / kStages) & 1);
           sm90_wgmma::bar_expect_tx(&full[s], kTileBytes);
 #pragma unroll
-          for (int kb = 0; kb < 4; ++kb)
-            sm90_wgmma::tma_load_3d(dst + kb * kBlock, &p.map_ckv, &full[s], kb * 128, in_page, pg);
-          sm90_wgmma::tma_load_3d(dst + 4 * kBlock, &p.map_ckv, &full[s], kRopeCol, in_page, pg);
+          for (int kb = 0; kb < 4; ++kb) tile_box(dst + kb * kBlock, &p.map_ckv, &full[s], kb * 128, in_page, pg, true);
+          tile_box(dst + 4 * kBlock, &p.map_ckv, &full[s], kRopeCol, in_page, pg, true);
           continue;
         }
         if (g >= kStages) bar_wait(&empty[s], ((g - kStages) / kStages) & 1);
