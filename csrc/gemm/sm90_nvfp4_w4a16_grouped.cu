@@ -64,6 +64,10 @@ __host__ __device__ constexpr int stage_bytes(int t, int w) {
   return t * kStageK * 2 + w_stage_bytes(w) + s_stage_bytes(w);
 }
 __host__ __device__ constexpr int cols_per_cta(int w, bool gated) { return gated ? 32 * w : 64 * w; }
+// Whether T-token tiles take their stages by TMA (ParamsTma, mbarriers) instead of cp.async: from 32 tokens on (at 64
+// tokens 1.08-1.13x faster on an H200, whose cp.async addresses and predicates take issue slots from the expansion;
+// at 8 tokens no faster: an H100, 0.97-1.00x, docs/perf-notes.md).
+__host__ __device__ constexpr bool tma_tiles(int t) { return t >= 32; }
 
 // The expansion's byte tables (bf16 low and high bytes of the E2M1 magnitudes), see expand4.
 [[maybe_unused]] __device__ const uint32_t kTables[4] = {0xC0800000u, 0xC0804000u, 0x3F3F3F00u, 0x40404040u};
@@ -92,7 +96,7 @@ struct ParamsTma : Params {
   CUtensorMap map_a, map_w, map_s;
 };
 template <int T>
-using ParamsFor = typename std::conditional<(T >= 32), ParamsTma, Params>::type;
+using ParamsFor = typename std::conditional<tma_tiles(T), ParamsTma, Params>::type;
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -202,10 +206,7 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
   constexpr int kBufs = (T == 8 && !GATED) ? 2 : 1;
   constexpr int kXBytes = T * kStageK * 2;
   constexpr int kStageBytes = stage_bytes(T, W);
-  // From 32 tokens on the stages come by TMA, issued by one thread: at 64 tokens 1.08-1.13x faster on an H200 than
-  // every thread's cp.async, whose addresses and predicates take issue slots from the expansion; at 8 tokens it
-  // measured no faster (an H100: 0.97-1.00x, docs/perf-notes.md).
-  constexpr bool kTma = T >= 32;
+  constexpr bool kTma = tma_tiles(T);  // the stages by TMA boxes that one thread issues
   extern __shared__ uint8_t smem_raw[];
 
   int e = blockIdx.y;
@@ -512,7 +513,7 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
 template <int T, bool GATED>
 constexpr int stages_for() {
   constexpr int W = warpgroups_for<T, GATED>();
-  constexpr int fit = ((W == 4 ? 226 : 110) * 1024 - pair_bytes(W) - (T >= 32 ? 8 * 8 : 0)) / stage_bytes(T, W);
+  constexpr int fit = ((W == 4 ? 226 : 110) * 1024 - pair_bytes(W) - (tma_tiles(T) ? 8 * 8 : 0)) / stage_bytes(T, W);
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
 }
 
@@ -522,7 +523,7 @@ cudaError_t launch(const ParamsTma& p, int grid_rows, cudaStream_t stream) {
   // The stages, the scale pairs, the stages' mbarriers (TMA), alignment. Not a byte more for the smaller tiles: two
   // CTAs of 8-token tiles fill the 196 KB shared-memory carveout exactly, and 32 bytes more each (the next carveout,
   // 228 KB, leaves L1 28 KB instead of 60) made them 1.06x slower on an H200.
-  constexpr int kSmem = kStages * stage_bytes(T, W) + pair_bytes(W) + (T >= 32 ? 8 * kStages : 0) + 1024;
+  constexpr int kSmem = kStages * stage_bytes(T, W) + pair_bytes(W) + (tma_tiles(T) ? 8 * kStages : 0) + 1024;
   constexpr int kCols = cols_per_cta(W, GATED);
   cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, W, GATED, kStages, SPLIT>>(kSmem);
   if (err != cudaSuccess) return err;
@@ -617,7 +618,7 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
                                    limit,
                                    num_experts,
                                    row_map};
-  if (tile >= 32) {
+  if (tma_tiles(tile)) {
     const cudaError_t err = encode_maps(p, rows, tile);
     if (err != cudaSuccess) return err;
   }
