@@ -481,24 +481,10 @@ __global__ void fp8_block_grouped(const __grid_constant__ CUtensorMap, const __g
 
 // ---------------------------------------------------------------------------------------------- host side
 
-// A row-major 2-D tensor [outer, inner] of `elem_bytes`-byte elements, moved in boxes of [box_outer, box_inner]
-// with the 128-byte swizzle; rows past `outer` read as zeros and are not written.
-bool encode(CUtensorMap* map, const void* base, CUtensorMapDataType type, uint32_t elem_bytes, uint64_t inner,
-            uint64_t outer, uint32_t box_inner, uint32_t box_outer, CUtensorMapL2promotion promotion) {
-  sm90::EncodeTiled fn = sm90::tensor_map_encoder();
-  if (!fn) return false;
-  const cuuint64_t dims[2] = {inner, outer};
-  const cuuint64_t strides[1] = {inner * elem_bytes};
-  const cuuint32_t box[2] = {box_inner, box_outer};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  return fn(map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 // An e4m3 operand [outer, K], read a 128-deep K block of `box_outer` rows at a time.
 bool encode_operand(CUtensorMap* map, const void* base, uint64_t k, uint64_t outer, uint32_t box_outer) {
-  return encode(map, base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, outer, kBlockK, box_outer,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  return sm90::encode_2d(map, base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, outer, kBlockK, box_outer,
+                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
 // GEMM1's weights [E, N, K] (N = 2 I: gate rows, then up rows) as a 4-D tensor {K, 64 rows, gate or up, 64-row
@@ -560,8 +546,9 @@ int run(const void* a, const float* a_scale, const void* w, const float* w_scale
   if (!encode_operand(&map_a, a, k, rows, BM) ||
       !(w_packed || (gated ? encode_gated_weights(&map_w, w, k, n, num_groups)
                            : encode_operand(&map_w, w, k, uint64_t(num_groups) * n, BN))) ||
-      (out_map && !encode(&map_out, out, fp8_out ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                          fp8_out ? 1 : 2, out_cols, rows, fp8_out ? 128 : 64, 16, CU_TENSOR_MAP_L2_PROMOTION_NONE))) {
+      (out_map &&
+       !sm90::encode_2d(&map_out, out, fp8_out ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                        fp8_out ? 1 : 2, out_cols, rows, fp8_out ? 128 : 64, 16, CU_TENSOR_MAP_L2_PROMOTION_NONE))) {
     return cudaErrorInvalidValue;
   }
   Params p{a_scale,

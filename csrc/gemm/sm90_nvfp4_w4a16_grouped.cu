@@ -551,31 +551,17 @@ cudaError_t launch_tile(const ParamsTma& p, int grid_rows, int tile, cudaStream_
 
 // The TMA's maps of a, w and (K a multiple of 256) the block scales, for tiles of `tile` tokens (kTma).
 cudaError_t encode_maps(ParamsTma& p, int rows, int tile) {
-  sm90::EncodeTiled fn = sm90::tensor_map_encoder();
-  if (fn == nullptr) return cudaErrorNotSupported;
-  const cuuint32_t ones[2] = {1, 1};
-  const cuuint64_t experts_rows = static_cast<cuuint64_t>(p.num_experts) * p.nw;
-  const cuuint64_t a_dims[2] = {static_cast<cuuint64_t>(p.k), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t a_strides[1] = {static_cast<cuuint64_t>(p.k) * 2};
-  const cuuint32_t a_box[2] = {64, static_cast<cuuint32_t>(tile)};
-  const cuuint64_t w_dims[2] = {static_cast<cuuint64_t>(p.k / 2), experts_rows};
-  const cuuint64_t w_strides[1] = {static_cast<cuuint64_t>(p.k / 2)};
-  const cuuint32_t w_box[2] = {128, 64};
-  const cuuint64_t s_dims[2] = {static_cast<cuuint64_t>(p.k / 16), experts_rows};
-  const cuuint64_t s_strides[1] = {static_cast<cuuint64_t>(p.k / 16)};
-  const cuuint32_t s_box[2] = {16, 64};
+  const uint64_t experts_rows = static_cast<uint64_t>(p.num_experts) * p.nw;
   p.s_tma = p.k % 256 == 0;
   const bool ok =
-      fn(&p.map_a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<__nv_bfloat16*>(p.a), a_dims, a_strides, a_box, ones,
-         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS &&
-      fn(&p.map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(p.w), w_dims, w_strides, w_box, ones,
-         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS &&
-      (!p.s_tma || fn(&p.map_s, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(p.scale), s_dims, s_strides,
-                      s_box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS);
-  return ok ? cudaSuccess : cudaErrorInvalidValue;
+      sm90::encode_2d(&p.map_a, p.a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.k, rows, 64, tile,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B) &&
+      sm90::encode_2d(&p.map_w, p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.k / 2, experts_rows, 128, 64,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B) &&
+      (!p.s_tma || sm90::encode_2d(&p.map_s, p.scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.k / 16, experts_rows, 16, 64,
+                                   CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_SWIZZLE_NONE));
+  if (!ok) return sm90::tensor_map_encoder() == nullptr ? cudaErrorNotSupported : cudaErrorInvalidValue;
+  return cudaSuccess;
 }
 
 template <bool SPLIT>
