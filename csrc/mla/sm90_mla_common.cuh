@@ -149,6 +149,10 @@ __device__ __forceinline__ uint64_t desc_k(uint32_t addr) { return sm90_wgmma::m
 __device__ __forceinline__ uint64_t desc_mn(uint32_t addr) {
   return (static_cast<uint64_t>(sm90_wgmma::kDescHi) << 32) | (addr >> 4) | ((kBlock >> 4) << 16);
 }
+// A descriptor moved on by `bytes` (a multiple of 16 inside shared memory, so the 14-bit address field never
+// carries). Loops build a tile's descriptors once and step them with this: rebuilt from the address before every
+// wgmma, they cost ptxas about ten uniform instructions between consecutive products.
+__device__ __forceinline__ uint64_t desc_at(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
 template <bool F16>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {

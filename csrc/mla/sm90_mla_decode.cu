@@ -286,12 +286,15 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
         }
         fence_async_smem();  // cp.async (or the widening's) writes -> wgmma's reads
         float sc[32];
+        const uint64_t dq = desc_k(s_q), dk = desc_k(stage);
         wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < 9; ++kb)
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            mma_scores<F16>(sc, desc_k(s_q + kb * kBlock + kk * 32), desc_k(stage + kb * kBlock + kk * 32), kb | kk);
+          for (int kk = 0; kk < 4; ++kk) {
+            const uint32_t off = kb * kBlock + kk * 32;
+            mma_scores<F16>(sc, desc_at(dq, off), desc_at(dk, off), kb | kk);
+          }
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(sc);
@@ -355,9 +358,10 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
           o[4 * j + 2] *= a1;
           o[4 * j + 3] *= a1;
         }
+        const uint64_t dp = desc_k(s_p), dv = desc_mn(stage);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) mma_values<F16>(o, desc_k(s_p + kk * 32), desc_mn(stage + kk * 2048), 1);
+        for (int kk = 0; kk < 4; ++kk) mma_values<F16>(o, desc_at(dp, kk * 32), desc_at(dv, kk * 2048), 1);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);
@@ -394,10 +398,10 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
           o[4 * j + 2] *= a1;
           o[4 * j + 3] *= a1;
         }
+        const uint64_t dp = desc_k(s_p), dv = desc_mn(stage + 4 * kBlock);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          mma_values<F16>(o, desc_k(s_p + kk * 32), desc_mn(stage + 4 * kBlock + kk * 2048), 1);
+        for (int kk = 0; kk < 4; ++kk) mma_values<F16>(o, desc_at(dp, kk * 32), desc_at(dv, kk * 2048), 1);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);

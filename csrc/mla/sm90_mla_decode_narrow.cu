@@ -158,11 +158,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
         // The 36 k steps in kChains independent accumulators, issued in turn: one chain of dependent small
         // products would wait out each product's latency.
         float part[kChains][N / 2];
+        const uint64_t dk = desc_k(stage), dq = desc_k(s_q);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < 36; ++k)
-          mma_narrow<N, false>(part[k % kChains], desc_k(stage + (k >> 2) * kBlock + (k & 3) * 32),
-                               desc_k(s_q + (k >> 2) * L::q_block + (k & 3) * 32), k >= kChains);
+          mma_narrow<N, false>(part[k % kChains], desc_at(dk, (k >> 2) * kBlock + (k & 3) * 32),
+                               desc_at(dq, (k >> 2) * L::q_block + (k & 3) * 32), k >= kChains);
         wgmma_commit();
         wgmma_wait<0>();
         float sc[N / 2];
@@ -216,12 +217,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
           }
         fence_async_smem();  // P^T's stores -> the wgmma's reads
         wg_sync(kBarP);
+        const uint64_t dv = desc_mn(stage), dp = desc_k(s_p);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)  // the 8 accumulators in turn, for the same reason
 #pragma unroll
           for (int mb = 0; mb < 8; ++mb)
-            mma_narrow<N, true>(o[mb], desc_mn(stage + mb * kBlock + kk * 2048), desc_k(s_p + kk * 32), 1);
+            mma_narrow<N, true>(o[mb], desc_at(dv, mb * kBlock + kk * 2048), desc_at(dp, kk * 32), 1);
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll

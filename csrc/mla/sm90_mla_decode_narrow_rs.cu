@@ -345,12 +345,13 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
         bar_wait(&full[s], (g / kStages) & 1);
         // 18 k steps (16 latent, 2 rope) in kChains independent accumulators, issued in turn.
         float part[kChains][NB / 2];
+        const uint64_t dk = desc_k(tile), dq = desc_k(s_qw);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < 18; ++k) {
           const int blk = k < 16 ? k >> 2 : 4, kk = k < 16 ? k & 3 : k - 14;
-          mma_scores_fp8<NB>(part[k % kChains], desc_k(tile + blk * kBlock + kk * 32),
-                             desc_k(s_qw + blk * L::q_block + kk * 32), k >= kChains);
+          mma_scores_fp8<NB>(part[k % kChains], desc_at(dk, blk * kBlock + kk * 32),
+                             desc_at(dq, blk * L::q_block + kk * 32), k >= kChains);
         }
         wgmma_commit();
         wgmma_wait<0>();
