@@ -25,6 +25,7 @@ namespace narrow_rs {
 constexpr int kTileBytes = 5 * kBlock;               // [5 column blocks][64 rows][128 bytes]
 constexpr int kRopeCol = 448;                        // the fifth block's first column: its bytes 64-127 are the rope
 constexpr int kBarMax = 6, kBarQ = 8, kBarOut = 10;  // named barriers (the first two: one each scoring warpgroup)
+constexpr int kBarTail = 11;                         // within the output warpgroup: a partial tile's tail cleared
 constexpr float kSlack = 8.f;                        // log2 of how far P^T may exceed 1 before the maxima move
 
 // The warpgroups: kSplit score the tiles (R = N / kSplit query rows each), then one accumulates the output and one
@@ -183,27 +184,30 @@ __device__ __forceinline__ void copy_rows_swizzled(const Params& p, uint32_t dst
   }
 }
 
+// A partial tile's latent rows from `valid` on cleared by the output warpgroup before it reads them (the page holds
+// anything there, NaN included, and P^T's zeros times NaN are not 0), so that the fragments of full tiles, nearly all
+// of them, take no masks. The scoring warpgroups may still be reading these rows: their scores are discarded.
+__device__ __forceinline__ void clear_tail(uint32_t tile, int valid, int t) {
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int item = valid * 32 + t; item < kTile * 32; item += 128) {  // [row][4 blocks][8 chunks]
+    const int r = item >> 5, blk = (item >> 3) & 3, c = item & 7;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(tile + blk * kBlock + r * 128 + c * 16), "r"(zero.x),
+                 "r"(zero.y), "r"(zero.z), "r"(zero.w)
+                 : "memory");
+  }
+  asm volatile("bar.sync %0, 128;" ::"r"(kBarTail) : "memory");
+}
+
 // The output warpgroup's fp16 fragments of k step kk (tokens 16 kk .. 16 kk + 15) for its 8 products, from the tile at
 // `tile`. Warp w's ldmatrix.trans of column group grp covers latent bytes 128 grp + 32 w .. + 31 (16-byte chunks
 // 8 grp + 2 w and + 1): a thread gets tokens 2q, 2q + 1 (and + 8) of latent columns 2g, 2g + 1 of each chunk. The
 // even columns feed product 2 grp, the odd ones 2 grp + 1; rows g / g + 8 of warp w's 16 are chunk 0 / chunk 1.
-// Tokens from `valid` on are zeros (the page holds anything there, NaN included, and 0 x NaN is not 0).
-__device__ __forceinline__ void values_fragments(uint32_t tile, int kk, int warp, int lane, int valid,
-                                                 uint32_t (&fr)[8][4]) {
+__device__ __forceinline__ void values_fragments(uint32_t tile, int kk, int warp, int lane, uint32_t (&fr)[8][4]) {
   const int mi = lane >> 3, tok = 16 * kk + (mi & 1) * 8 + (lane & 7), cb = 2 * warp + (mi >> 1);
-  const int q = lane & 3, t_lo = 16 * kk + 2 * q, t_hi = t_lo + 8;
-  const uint32_t keep_lo = (t_lo < valid ? 0x0000ffffu : 0u) | (t_lo + 1 < valid ? 0xffff0000u : 0u);
-  const uint32_t keep_hi = (t_hi < valid ? 0x0000ffffu : 0u) | (t_hi + 1 < valid ? 0xffff0000u : 0u);
 #pragma unroll
   for (int grp = 0; grp < 4; ++grp) {
     uint32_t r[4];
     ldsm_x4_trans(tile + grp * kBlock + tok * 128 + ((cb ^ (tok & 7)) << 4), r);
-    if (valid < kTile) {
-      r[0] &= keep_lo;
-      r[2] &= keep_lo;
-      r[1] &= keep_hi;
-      r[3] &= keep_hi;
-    }
     // r: bytes (token 2q: column 2g, 2g + 1), (token 2q + 1: 2g, 2g + 1) -> (2g: tokens 2q, 2q + 1), (2g + 1: ...).
     // Fragment order: (row g, k 2q), (row g + 8, k 2q), (row g, k 2q + 8), (row g + 8, k 2q + 8).
     const int order[4] = {0, 2, 1, 3};
@@ -345,7 +349,9 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
         bar_wait(&full[s], (g / kStages) & 1);
         // 18 k steps (16 latent, 2 rope) in kChains independent accumulators, issued in turn.
         float part[kChains][NB / 2];
-        const uint64_t dk = desc_k(tile), dq = desc_k(s_qw);
+        // The tile's address through a shuffle, so that ptxas knows it is warp-uniform and keeps the descriptors
+        // in uniform registers (else it moves each product's into them from ordinary ones: six instructions a product).
+        const uint64_t dk = desc_k(__shfl_sync(0xffffffffu, tile, 0)), dq = desc_k(s_qw);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < 18; ++k) {
@@ -472,15 +478,16 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
         }
       }
       const int valid = tok_hi - (tok_lo + i * kTile);
+      if (valid < kTile) clear_tail(tile, valid, t);
       uint32_t fr[2][8][4];
-      values_fragments(tile, 0, warp, lane, valid, fr[0]);
+      values_fragments(tile, 0, warp, lane, fr[0]);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         wgmma_fence();
 #pragma unroll
         for (int mb = 0; mb < 8; ++mb) mma_values_rs<N>(o[mb], fr[kk & 1][mb], desc_k(pt + kk * 32));
         wgmma_commit();
-        if (kk < 3) values_fragments(tile, kk + 1, warp, lane, valid, fr[(kk + 1) & 1]);
+        if (kk < 3) values_fragments(tile, kk + 1, warp, lane, fr[(kk + 1) & 1]);
         wgmma_wait<0>();
       }
 #pragma unroll
