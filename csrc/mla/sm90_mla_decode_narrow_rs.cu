@@ -195,6 +195,7 @@ __device__ __forceinline__ void clear_tail(uint32_t tile, int valid, int t) {
                  "r"(zero.y), "r"(zero.z), "r"(zero.w)
                  : "memory");
   }
+  fence_async_smem();  // these stores -> the TMA copy that refills this buffer once the tile is freed
   asm volatile("bar.sync %0, 128;" ::"r"(kBarTail) : "memory");
 }
 
