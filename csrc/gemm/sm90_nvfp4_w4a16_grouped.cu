@@ -100,14 +100,6 @@ using ParamsFor = typename std::conditional<tma_tiles(T), ParamsTma, Params>::ty
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// Shared-memory descriptor of a K-major [rows][64 bf16] tile with the 128-byte swizzle: 8-row atoms 1024 bytes
-// apart; a 16-deep k step moves the start address by 32 bytes.
-// The low word (start address / 16, leading offset 1) is built once and stepped by adds.
-__device__ __forceinline__ uint64_t desc_b_lo(uint32_t lo) {
-  constexpr uint64_t hi = static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32;
-  return hi | lo;
-}
-
 // Four weight bytes -> four bf16x2 (byte j -> o[j], its low nibble in the low half), o[0..1] times the scale
 // pair s01 and o[2..3] times s23. prmt with the 3-bit magnitude as selector reads the high and the low byte of
 // the bf16 of each E2M1 magnitude (0, .5, 1, 1.5, 2, 3, 4, 6: 0000 3F00 3F80 3FC0 4000 4040 4080 40C0) from two
@@ -261,7 +253,9 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
     __syncthreads();
   }
   const int conv_row = wg * 64 + ((threadIdx.x & 127) >> 1), conv_half = threadIdx.x & 1;
-  const uint32_t desc_lo0 = (base >> 4) | (1u << 16);
+  // The weights' shared-memory descriptors (K-major, 128-byte swizzle, sm90_wgmma::make_desc): their low word, the
+  // start address / 16 with leading offset 1, is built once and stepped by adds (a 16-deep k step is 32 bytes).
+  const uint32_t desc_lo0 = sm90_wgmma::desc_lo(base);
 
   // The expansion's tables, read from memory so that ptxas keeps them in registers instead of rebuilding each
   // constant before every use (16 instructions a span).
@@ -445,7 +439,8 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
         fence_regs(acc);
         wgmma_fence();
 #pragma unroll
-        for (int c = 0; c < 4; ++c) wgmma_rs(acc, af[b][c], desc_b_lo(desc_stage + ((d * T * 128 + 32 * c) >> 4)));
+        for (int c = 0; c < 4; ++c)
+          wgmma_rs(acc, af[b][c], sm90_wgmma::make_desc(desc_stage + ((d * T * 128 + 32 * c) >> 4)));
         wgmma_commit();
         if constexpr (kBufs == 2) {
           // The previous span's group has completed; the empty asm that takes its fragments as operands keeps
