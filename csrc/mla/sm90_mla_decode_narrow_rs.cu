@@ -8,14 +8,15 @@
 // exactly, so Q_hi + Q_lo / 16 is the query itself and the scores take the FP8 tensor cores at no cost in accuracy
 // (the softmax scale multiplies the fp32 scores). fp16 queries (11 significant bits) stay on the other kernel.
 //
-// Three warpgroups at 16 rows, four at 32. The copying one (its registers given to the others) brings each tile into
-// one of 4 or 5 buffers as a 128-byte swizzled [5 column blocks][64 rows][128 bytes] image (latent columns 0-511,
-// then 448-575 for the rope): by TMA from one thread where the one-tensor cache's pages hold whole tiles, else by
-// cp.async token rows. The scoring warpgroups (one; two at 32 rows, 16 rows each) compute the scores and the online
-// softmax and hand P^T and the rescale factors to the output warpgroup through two slots (three at 32 rows); it reads
-// the tile's latent columns with ldmatrix.trans (tokens along wgmma's K side), widens them to fp16 in registers (E4M3
-// -> fp16 is exact) and accumulates the output, then frees the tile and the slot, so the scoring works on tile i + 1
-// while the output works on tile i. Same schedule, workspace and combine as the other decode kernels.
+// Three warpgroups. The copying one (its registers given to the others) brings each tile into one of 4 or 5 buffers as
+// a 128-byte swizzled [5 column blocks][64 rows][128 bytes] image (latent columns 0-511, then 448-575 for the rope): by
+// TMA from one thread where the one-tensor cache's pages hold whole tiles, else by cp.async token rows. The scoring
+// one computes the scores and the online softmax and hands P^T and the rescale factors to the output warpgroup
+// through two slots (three at 32 rows); it reads the tile's latent columns with ldmatrix.trans (tokens along wgmma's K
+// side), widens them to fp16 in registers (E4M3 -> fp16 is exact) and accumulates the output, then frees the tile and
+// the slot, so the scoring works on tile i + 1 while the output works on tile i. At 32 rows the scores are not
+// transposed (score_rows): [Q_hi; Q_lo] is 64 rows, wgmma's M, and the tile its B operand. Same schedule, workspace
+// and combine as the other decode kernels.
 #include "mla/sm90_mla_common.cuh"
 
 namespace fim {
@@ -24,42 +25,31 @@ namespace narrow_rs {
 
 constexpr int kTileBytes = 5 * kBlock;               // [5 column blocks][64 rows][128 bytes]
 constexpr int kRopeCol = 448;                        // the fifth block's first column: its bytes 64-127 are the rope
-constexpr int kBarMax = 6, kBarQ = 8, kBarOut = 10;  // named barriers (the first two: one each scoring warpgroup)
+constexpr int kBarMax = 6, kBarQ = 8, kBarOut = 10;  // named barriers
 constexpr int kBarTail = 11;                         // within the output warpgroup: a partial tile's tail cleared
 constexpr float kSlack = 8.f;                        // log2 of how far P^T may exceed 1 before the maxima move
+constexpr int kScore = 0, kOut = 1, kCopy = 2, kThreads = 384;  // the warpgroups
 
-// The warpgroups: kSplit score the tiles (R = N / kSplit query rows each), then one accumulates the output and one
-// copies. At 32 rows two scoring warpgroups take 16 rows each: the scores, the softmax and P^T's stores of one
-// warpgroup for 32 rows set the pace, while the output's work is the same for 16 rows and 32 but its products.
-template <int N>
-struct Roles {
-  static constexpr int kSplit = N == 32 ? 2 : 1;
-  static constexpr int R = N / kSplit;
-  static constexpr int kOut = kSplit, kCopy = kSplit + 1;
-  static constexpr int kThreads = 128 * (kSplit + 2);
-};
-
-// Q's FP8 parts [kSplit][5 blocks][2R rows][128 bytes], the tile buffers, P^T [kSlots][N rows][64 tokens], the
-// rescale factors [kSlots][N], the maxima exchange [kSplit][2][4][R], the sums [kSplit][4][R], the output factors
-// [2][N], Q's row factors [N], the slots' flags [kSlots][2], barriers; 1024 bytes of slack for alignment. The queries
-// are read from global memory where they are split, so the tile buffers take the rest: 5 at 16 rows, 4 at 32.
+// Q's FP8 parts [5 blocks][2N rows][128 bytes], the tile buffers, P^T [kSlots][N rows][64 tokens], the rescale
+// factors [kSlots][N], the maxima exchange [2][4][N] and the sums [4][N] (16 rows), the output factors [2][N], Q's row
+// factors [N], the slots' flags [kSlots][4], barriers; 1024 bytes of slack for alignment. The queries are read from
+// global memory where they are split, so the tile buffers take the rest: 5 at 16 rows, 4 at 32.
 template <int N>
 struct Layout {
   static constexpr int kStages = N == 16 ? 5 : 4;
-  // P^T and its factors, handed from the scoring warpgroups to the output one (three at 32 rows; 16 rows have room
+  // P^T and its factors, handed from the scoring warpgroup to the output one (three at 32 rows; 16 rows have room
   // for two beside their five tile buffers)
   static constexpr int kSlots = N == 32 ? 3 : 2;
-  static constexpr int q_block = 2 * Roles<N>::R * 128;
-  static constexpr int q_image = 5 * q_block;
-  static constexpr int raw = Roles<N>::kSplit * q_image;
+  static constexpr int q_block = 2 * N * 128;
+  static constexpr int raw = 5 * q_block;
   static constexpr int p = raw + kStages * kTileBytes;
   static constexpr int alpha = p + kSlots * N * 128;
   static constexpr int red = alpha + kSlots * N * 4;
   static constexpr int sums = red + 2 * 4 * N * 4;
   static constexpr int inv = sums + 4 * N * 4;
   static constexpr int rinv = inv + 2 * N * 4;
-  static constexpr int moved = rinv + N * 4;  // [slot][scoring warpgroup]: did the tile move its maxima
-  static constexpr int bars = moved + 32;
+  static constexpr int moved = rinv + N * 4;  // [slot][4]: did the tile move the maxima (at 32 rows: a warp's rows')
+  static constexpr int bars = moved + 16 * kSlots;
   static constexpr int bytes = bars + 8 * (2 * kStages + 2 * kSlots) + 1024;
   static_assert(raw % 1024 == 0 && p % 1024 == 0 && bars % 8 == 0, "swizzled operands start at an atom");
 };
@@ -99,17 +89,16 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
   return r;
 }
 
-// Q's two FP8 parts of query rows r0 .. r0 + R - 1 from the bf16 queries of sequence b (read from global memory;
+// Q's two FP8 parts of the R query rows from the bf16 queries of sequence b (read from global memory;
 // rows past the last read zeros) into a scoring warpgroup's [5][2R][128] image: warp w takes rows w, w + 4, ...;
 // each row's factor, a power of two, puts its largest value at 224-448; s_rinv gets its inverse. Column c of the row
 // lies in block c / 128 (c < 512) or 4 (the rope, bytes 64 on) of the image.
-template <int R>
-__device__ __forceinline__ void split_queries(const Params& p, int b, int r0, uint32_t s_q, float* s_rinv, int warp,
-                                              int lane) {
+template <int R, bool kInter>
+__device__ __forceinline__ void split_queries(const Params& p, int b, uint32_t s_q, float* s_rinv, int warp, int lane) {
   constexpr int q_block = 2 * R * 128;
   for (int n = warp; n < R; n += 4) {
-    const bool ok = r0 + n < p.rows;
-    const int qi = ok ? (r0 + n) / p.heads : 0, h = ok ? (r0 + n) % p.heads : 0;
+    const bool ok = n < p.rows;
+    const int qi = ok ? n / p.heads : 0, h = ok ? n % p.heads : 0;
     const uint16_t* qn = static_cast<const uint16_t*>(p.qn) + b * p.qn_b + qi * p.qn_s + h * p.qn_h;
     const uint16_t* qp = static_cast<const uint16_t*>(p.qp) + b * p.qp_b + qi * p.qp_s + h * p.qp_h;
     float v[3][8];
@@ -132,7 +121,7 @@ __device__ __forceinline__ void split_queries(const Params& p, int b, int r0, ui
     for (int x = 1; x < 32; x <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, x));
     // The largest power of two at most 448 / amax (its exponent bits), capped where amax is tiny or zero.
     const float f = amax > 0.f ? fminf(__int_as_float(__float_as_int(448.f / amax) & 0x7f800000), 0x1p100f) : 1.f;
-    if (lane == 0) s_rinv[r0 + n] = 1.f / f;
+    if (lane == 0) s_rinv[n] = 1.f / f;
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
       const int ch = lane + 32 * j;
@@ -156,7 +145,7 @@ __device__ __forceinline__ void split_queries(const Params& p, int b, int r0, ui
       const int blk = col < 512 ? col >> 7 : 4, byte = col < 512 ? col & 127 : 64 + col - 512;
 #pragma unroll
       for (int part = 0; part < 2; ++part) {
-        const int row = n + part * R;
+        const int row = kInter ? 16 * (n >> 3) + 8 * part + (n & 7) : n + part * R;
         const uint32_t addr = s_q + blk * q_block + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 8));
         sts64(addr, part ? lo[0] : hi[0], part ? lo[1] : hi[1]);
       }
@@ -186,7 +175,7 @@ __device__ __forceinline__ void copy_rows_swizzled(const Params& p, uint32_t dst
 
 // A partial tile's latent rows from `valid` on cleared by the output warpgroup before it reads them (the page holds
 // anything there, NaN included, and P^T's zeros times NaN are not 0), so that the fragments of full tiles, nearly all
-// of them, take no masks. The scoring warpgroups may still be reading these rows: their scores are discarded.
+// of them, take no masks. The scoring warpgroup may still be reading these rows: their scores are discarded.
 __device__ __forceinline__ void clear_tail(uint32_t tile, int valid, int t) {
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   for (int item = valid * 32 + t; item < kTile * 32; item += 128) {  // [row][4 blocks][8 chunks]
@@ -221,16 +210,268 @@ __device__ __forceinline__ void values_fragments(uint32_t tile, int kk, int warp
   }
 }
 
+// The scoring warpgroup of 32 rows: scores [64, 64 tokens] = [Q_hi; Q_lo] [64, 576] . tile^T, the query parts as
+// wgmma's A (query row n's two parts in rows 16 (n / 8) + n % 8 and + 8, so a thread holds both of its row's parts)
+// and the tile as B, both as they lie in shared memory: each tile is read once for all 32 rows, and a query row's 64
+// scores lie in the four lanes of a quad, so its maxima and sums need no exchange between the warps, and a warp's rows
+// move their maxima together.
+template <class L>
+__device__ __forceinline__ void score_rows(const Params& p, float kv_scale, uint32_t s_q, uint32_t s_raw, uint32_t s_p,
+                                           float* s_alpha, float* s_inv, float* s_rinv, int* s_moved, uint64_t* full,
+                                           uint64_t* pfull, uint64_t* pempty, int warp, int lane) {
+  constexpr int N = 32, kChains = 4, kStages = L::kStages, kSlots = L::kSlots;
+  const int q = lane & 3, n = 8 * warp + (lane >> 2);  // this thread's query row
+  const int prog = blockIdx.y, B = p.batch, chunk = p.sched[0], total = p.sched[1];
+  const int32_t* starts = p.sched + 2;
+  const int32_t* ends = starts + B;
+  const int32_t* splits_of = ends + B;
+  const int32_t* slot_of = splits_of + B;
+  const int end = min(prog * chunk + chunk, total);
+  uint32_t tiles_done = 0, pieces = 0;
+  uint32_t ps = 0, pph = 0;  // the next P^T slot and its barriers' phase
+  for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
+    const int splits = splits_of[b];
+    const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+    const int length = pc.length, tok_lo = pc.tok_lo, tok_hi = pc.tok_hi, ntiles = pc.ntiles;
+    const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
+    wg_sync(kBarQ);  // the last piece's products are done with the parts
+    split_queries<N, true>(p, b, s_q, s_rinv, warp, lane);
+    fence_async_smem();  // the parts' stores -> the wgmma's reads
+    wg_sync(kBarQ);
+    const int vis = n < p.rows ? min(p.causal ? length - p.s_q + 1 + n / p.heads : length, tok_hi) : 0;
+    const float fac = s_rinv[n] * p.qk_scale * kv_scale;
+    float m = -INFINITY, l = 0.f;
+    for (int i = 0; i < ntiles; ++i) {
+      const uint32_t g = tiles_done + i, s = g % kStages, tile = s_raw + s * kTileBytes;
+      bar_wait(&full[s], (g / kStages) & 1);
+      float part[kChains][32];
+      const uint64_t dk = desc_k(__shfl_sync(0xffffffffu, tile, 0)), dq = desc_k(s_q);
+      wgmma_fence();
+      // Steps 0-8 into chains 0 and 1, 9-17 into 2 and 3 (4-5 steps each): the first half's sums are added while
+      // the second half's products run.
+#pragma unroll
+      for (int k = 0; k < 18; ++k) {
+        const int blk = k < 16 ? k >> 2 : 4, kk = k < 16 ? k & 3 : k - 14;
+        sm90_wgmma::wgmma_m64n64k32(part[(k >= 9 ? 2 : 0) + (k & 1)], desc_at(dq, blk * L::q_block + kk * 32),
+                                    desc_at(dk, blk * kBlock + kk * 32), k != 0 && k != 1 && k != 9 && k != 10);
+        if (k == 8 || k == 17) wgmma_commit();
+      }
+      wgmma_wait<1>();
+      fence_regs(part[0]);
+      fence_regs(part[1]);
+#pragma unroll
+      for (int e = 0; e < 32; ++e) part[0][e] += part[1][e];
+      wgmma_wait<0>();
+      fence_regs(part[2]);
+      fence_regs(part[3]);
+      // Token 8 j + 2 q + e: Q_hi's score at index 4 j + e, Q_lo's at 4 j + 2 + e.
+      const int t0 = tok_lo + i * kTile;
+      float x[16], mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float hi = part[0][4 * j + e] + (part[2][4 * j + e] + part[3][4 * j + e]);
+          const float lo = part[0][4 * j + 2 + e] + (part[2][4 * j + 2 + e] + part[3][4 * j + 2 + e]);
+          x[2 * j + e] = t0 + 8 * j + 2 * q + e < vis ? (hi + lo * 0.0625f) * fac : -INFINITY;
+          mx = fmaxf(mx, x[2 * j + e]);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // Lazy maxima as in score_cols, decided per warp: P^T stays below 2^kSlack.
+      const bool move = __any_sync(0xffffffffu, mx > m + kSlack);
+      const uint32_t pt = s_p + ps * (N * 128);
+      if (g >= kSlots) bar_wait(&pempty[ps], pph ^ 1);
+      if (move) {
+        const float mn = fmaxf(m, mx);
+        const float alpha = exp2f(m - (mn == -INFINITY ? 0.f : mn));
+        m = mn;
+        l *= alpha;
+        if (q == 0) s_alpha[ps * N + n] = alpha;
+      }
+      if (lane == 0) s_moved[4 * ps + warp] = move;
+      const float u = m == -INFINITY ? 0.f : m;
+      const uint32_t row = pt + n * 128, sw = n & 7;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float p0 = exp2f(x[2 * j] - u), p1 = exp2f(x[2 * j + 1] - u);
+        l += p0 + p1;
+        // P^T [n][token], K-major for the values' B operand: tokens 8 j + 2 q, + 1 in one word.
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + ((j ^ sw) << 4) + 4 * q), "r"(pack2<true>(p0, p1))
+                     : "memory");
+      }
+      fence_async_smem();  // P^T's stores -> the output warpgroup's wgmma reads
+      sm90_wgmma::bar_arrive(&pfull[ps]);
+      if (++ps == kSlots) ps = 0, pph ^= 1;
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    float* inv = s_inv + (pieces & 1) * N;
+    const bool any = ntiles > 0 && l > 0.f;
+    const float lse = any ? m + log2f(l) : -INFINITY;
+    if (q == 0) inv[n] = any ? kv_scale / l : 0.f;
+    if (q == 0 && n < p.rows) {
+      const int qi = n / p.heads, h = n % p.heads;
+      if (splits == 1) {
+        if (p.lse != nullptr) p.lse[b * p.l_b + qi * p.l_s + h * p.l_h] = lse * 0.6931471805599453f;
+      } else {
+        p.part_lse[slot * p.rows + n] = lse;
+      }
+    }
+    bar_sync_n(kBarOut, 256);
+    tiles_done += ntiles;
+    ++pieces;
+    cursor = pc.piece_end;
+  }
+}
+
+// The scoring warpgroup of 16 rows: scores^T [64 tokens, 32] = tile [64, 576] . [Q_hi; Q_lo]^T, the tile as wgmma's A
+// and the query parts as B; a query row's 64 scores lie in the 8 lanes of one q in each warp, so its maxima and sums
+// are exchanged between the warps through shared memory (s_red, s_sums).
+template <class L>
+__device__ __forceinline__ void score_cols(const Params& p, float kv_scale, uint32_t s_q, uint32_t s_raw, uint32_t s_p,
+                                           float* s_alpha, float* s_red, float* s_sums, float* s_inv, float* s_rinv,
+                                           int* s_moved, uint64_t* full, uint64_t* pfull, uint64_t* pempty, int warp,
+                                           int lane) {
+  constexpr int N = 16, kCols = N / 4, NB = 2 * N, kChains = 4, kStages = L::kStages, kSlots = L::kSlots;
+  const int t = threadIdx.x & 127, q = lane & 3;
+  const int prog = blockIdx.y, B = p.batch, chunk = p.sched[0], total = p.sched[1];
+  const int32_t* starts = p.sched + 2;
+  const int32_t* ends = starts + B;
+  const int32_t* splits_of = ends + B;
+  const int32_t* slot_of = splits_of + B;
+  const int end = min(prog * chunk + chunk, total);
+  uint32_t tiles_done = 0, pieces = 0;
+  uint32_t ps = 0, pph = 0;  // the next P^T slot and its barriers' phase (kSlots need not be a power of two)
+  for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
+    const int splits = splits_of[b];
+    const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+    const int length = pc.length, tok_lo = pc.tok_lo, tok_hi = pc.tok_hi, ntiles = pc.ntiles;
+    const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
+
+    wg_sync(kBarQ);  // the last piece's products are done with the parts
+    split_queries<N, false>(p, b, s_q, s_rinv, warp, lane);
+    fence_async_smem();  // the parts' stores -> the wgmma's reads
+    wg_sync(kBarQ);
+
+    // This thread's query rows (the accumulator's columns 8 j + 2 q + e: index 2 j + e, local row narrow_row) and
+    // what they see.
+    int vis[kCols];
+    float m[kCols], l[kCols], fac[kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int n = narrow_row(c, q);
+      vis[c] = n < p.rows ? min(p.causal ? length - p.s_q + 1 + n / p.heads : length, tok_hi) : 0;
+      m[c] = -INFINITY;
+      l[c] = 0.f;
+      fac[c] = s_rinv[n] * p.qk_scale * kv_scale;
+    }
+    const int ta = warp * 16 + (lane >> 2);  // this thread's tokens in a tile: ta, ta + 8
+    for (int i = 0; i < ntiles; ++i) {
+      const uint32_t g = tiles_done + i, s = g % kStages, tile = s_raw + s * kTileBytes;
+      bar_wait(&full[s], (g / kStages) & 1);
+      // 18 k steps (16 latent, 2 rope) in kChains independent accumulators, issued in turn.
+      float part[kChains][NB / 2];
+      // The tile's address through a shuffle, so that ptxas knows it is warp-uniform and keeps the descriptors
+      // in uniform registers (else it moves each product's into them from ordinary ones: six instructions a product).
+      const uint64_t dk = desc_k(__shfl_sync(0xffffffffu, tile, 0)), dq = desc_k(s_q);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 18; ++k) {
+        const int blk = k < 16 ? k >> 2 : 4, kk = k < 16 ? k & 3 : k - 14;
+        mma_scores_fp8<NB>(part[k % kChains], desc_at(dk, blk * kBlock + kk * 32),
+                           desc_at(dq, blk * L::q_block + kk * 32), k >= kChains);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int c = 0; c < kChains; ++c) fence_regs(part[c]);
+      float sc[NB / 2];
+#pragma unroll
+      for (int e = 0; e < NB / 2; ++e) {
+        sc[e] = part[0][e];
+#pragma unroll
+        for (int c = 1; c < kChains; ++c) sc[e] += part[c][e];
+      }
+
+      // Online softmax along the tokens: a query row's 64 scores lie in the 8 lanes of one q in each warp.
+      const int t0 = tok_lo + i * kTile;
+      float x0[kCols], x1[kCols], mx[kCols];
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int k = 4 * (c >> 1) + (c & 1), kl = k + N / 2;  // Q_hi's column, Q_lo's
+        x0[c] = t0 + ta < vis[c] ? (sc[k] + sc[kl] * 0.0625f) * fac[c] : -INFINITY;
+        x1[c] = t0 + ta + 8 < vis[c] ? (sc[k + 2] + sc[kl + 2] * 0.0625f) * fac[c] : -INFINITY;
+        mx[c] = fmaxf(x0[c], x1[c]);
+#pragma unroll
+        for (int x = 4; x <= 16; x <<= 1) mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], x));
+      }
+      // The running maxima move only where a score passes them by more than 2^kSlack, so P^T stays below 2^kSlack
+      // (far inside fp16) and most tiles skip the exchange between the warps, and the output the rescaling.
+      bool pass = false;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) pass |= mx[c] > m[c] + kSlack;
+      const bool move = wg_any(pass, kBarMax);
+      float* red = s_red + (g & 1) * 4 * N;
+      if (move) narrow_share<N>(mx, red, warp, lane, q, kBarMax);
+      const uint32_t pt = s_p + ps * (N * 128);
+      if (g >= kSlots) bar_wait(&pempty[ps], pph ^ 1);
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int n = narrow_row(c, q);
+        if (move) {
+          const float tile_max = fmaxf(fmaxf(red[n], red[N + n]), fmaxf(red[2 * N + n], red[3 * N + n]));
+          const float mn = fmaxf(m[c], tile_max);
+          const float alpha = exp2f(m[c] - (mn == -INFINITY ? 0.f : mn));
+          m[c] = mn;
+          l[c] *= alpha;
+          if (warp == 0 && lane < 4) s_alpha[ps * N + n] = alpha;
+        }
+        const float u = m[c] == -INFINITY ? 0.f : m[c];
+        x0[c] = exp2f(x0[c] - u);
+        x1[c] = exp2f(x1[c] - u);
+        l[c] += x0[c] + x1[c];
+        // P^T [n][token], K-major for the values' B operand.
+        const uint32_t row = pt + n * 128, sw = n & 7;
+        sts16(row + (((ta >> 3) ^ sw) << 4) + (ta & 7) * 2, __half_as_ushort(__float2half_rn(x0[c])));
+        sts16(row + ((((ta + 8) >> 3) ^ sw) << 4) + (ta & 7) * 2, __half_as_ushort(__float2half_rn(x1[c])));
+      }
+      if (t == 0) s_moved[4 * ps] = move;
+      fence_async_smem();  // P^T's stores -> the output warpgroup's wgmma reads
+      sm90_wgmma::bar_arrive(&pfull[ps]);
+      if (++ps == kSlots) ps = 0, pph ^= 1;
+    }
+
+    narrow_sum_rows<N>(l, s_sums, warp, lane, q, kBarMax);
+    float* inv = s_inv + (pieces & 1) * N;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int n = narrow_row(c, q);
+      const float sum = s_sums[n] + s_sums[N + n] + s_sums[2 * N + n] + s_sums[3 * N + n];
+      const bool any = ntiles > 0 && sum > 0.f;
+      const float lse = any ? m[c] + log2f(sum) : -INFINITY;
+      if (warp == 0 && lane < 4) inv[n] = any ? kv_scale / sum : 0.f;
+      if (n >= p.rows || warp != 0 || lane >= 4) continue;
+      const int qi = n / p.heads, h = n % p.heads;
+      if (splits == 1) {
+        if (p.lse != nullptr) p.lse[b * p.l_b + qi * p.l_s + h * p.l_h] = lse * 0.6931471805599453f;
+      } else {
+        p.part_lse[slot * p.rows + n] = lse;
+      }
+    }
+    bar_sync_n(kBarOut, 256);
+    tiles_done += ntiles;
+    ++pieces;
+    cursor = pc.piece_end;
+  }
+}
+
 template <int N>
-__global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const __grid_constant__ Params p) {
   using T = __nv_bfloat16;
   using L = Layout<N>;
-  constexpr int kSplit = Roles<N>::kSplit, R = Roles<N>::R;
-  constexpr int kCols = R / 4;                     // a scoring thread's query rows
-  constexpr int kColsOut = N / 4;                  // an output thread's
-  constexpr int NB = 2 * R;                        // the scores' columns: Q_hi's rows, then Q_lo's
-  constexpr int kChains = 4;                       // the scores' accumulators
-  constexpr int kOutThreads = 128 * (kSplit + 1);  // the scoring and output warpgroups
+  constexpr int kCols = N / 4;  // an output thread's query rows
   constexpr int kStages = L::kStages;
   constexpr int kSlots = L::kSlots;
   extern __shared__ uint8_t smem_raw[];
@@ -258,7 +499,7 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
       bar_init(&empty[s], 128);
     }
     for (int s = 0; s < kSlots; ++s) {
-      bar_init(&pfull[s], 128 * kSplit);
+      bar_init(&pfull[s], 128);
       bar_init(&pempty[s], 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -272,10 +513,9 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
   const int32_t* slot_of = splits_of + B;
   const int end = min(prog * chunk + chunk, total);
 
-  // 224 registers for the output warpgroup (the output and two steps' fragments), 56 for the copying one, and the
-  // rest for the scoring ones: 224 for one (the 168 x 384 a CTA of 16 rows starts with), 112 each for two (the
-  // 128 x 512 of 32 rows).
-  if (wg == Roles<N>::kCopy) {
+  // 224 registers for the output warpgroup (the output and two steps' fragments) and for the scoring one (32 rows: four
+  // chains of scores [64, 64]), 56 for the copying one: the 168 x 384 a CTA starts with.
+  if (wg == kCopy) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
     if (p.tma && t != 0) return;
     // The copying warpgroup runs ahead through the pieces, bounded by the free buffers: by TMA (one thread; a tile's
@@ -310,144 +550,19 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
   const float kv_scale = p.kv_scale != nullptr ? *p.kv_scale : p.kv_scale_value;
   // Each role walks the pieces on its own (ptxas gives a region one register budget, so the roles' loops are apart);
   // tiles_done and pieces keep the barriers' phases.
-  if (wg < kSplit) {
-    if constexpr (kSplit == 1) {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  if (wg == kScore) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+    if constexpr (N == 32) {
+      score_rows<L>(p, kv_scale, s_q, s_raw, s_p, s_alpha, s_inv, s_rinv, s_moved, full, pfull, pempty, warp, lane);
     } else {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 112;");
-    }
-    uint32_t tiles_done = 0, pieces = 0;
-    uint32_t ps = 0, pph = 0;  // the next P^T slot and its barriers' phase (kSlots need not be a power of two)
-    for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
-      const int splits = splits_of[b];
-      const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
-      const int length = pc.length, tok_lo = pc.tok_lo, tok_hi = pc.tok_hi, ntiles = pc.ntiles;
-      const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
-
-      // Scoring warpgroup wg: query rows r0 .. r0 + R - 1 against each tile.
-      const int r0 = wg * R;
-      const uint32_t s_qw = s_q + wg * L::q_image;
-      wg_sync(kBarQ + wg);  // the last piece's products are done with the parts
-      split_queries<R>(p, b, r0, s_qw, s_rinv, warp, lane);
-      fence_async_smem();  // the parts' stores -> the wgmma's reads
-      wg_sync(kBarQ + wg);
-
-      // This thread's query rows (the accumulator's columns 8 j + 2 q + e: index 2 j + e, local row narrow_row) and
-      // what they see.
-      int vis[kCols];
-      float m[kCols], l[kCols], fac[kCols];
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int n = r0 + narrow_row(c, q);
-        vis[c] = n < p.rows ? min(p.causal ? length - p.s_q + 1 + n / p.heads : length, tok_hi) : 0;
-        m[c] = -INFINITY;
-        l[c] = 0.f;
-        fac[c] = s_rinv[n] * p.qk_scale * kv_scale;
-      }
-      const int ta = warp * 16 + (lane >> 2);  // this thread's tokens in a tile: ta, ta + 8
-      for (int i = 0; i < ntiles; ++i) {
-        const uint32_t g = tiles_done + i, s = g % kStages, tile = s_raw + s * kTileBytes;
-        bar_wait(&full[s], (g / kStages) & 1);
-        // 18 k steps (16 latent, 2 rope) in kChains independent accumulators, issued in turn.
-        float part[kChains][NB / 2];
-        // The tile's address through a shuffle, so that ptxas knows it is warp-uniform and keeps the descriptors
-        // in uniform registers (else it moves each product's into them from ordinary ones: six instructions a product).
-        const uint64_t dk = desc_k(__shfl_sync(0xffffffffu, tile, 0)), dq = desc_k(s_qw);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < 18; ++k) {
-          const int blk = k < 16 ? k >> 2 : 4, kk = k < 16 ? k & 3 : k - 14;
-          mma_scores_fp8<NB>(part[k % kChains], desc_at(dk, blk * kBlock + kk * 32),
-                             desc_at(dq, blk * L::q_block + kk * 32), k >= kChains);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-#pragma unroll
-        for (int c = 0; c < kChains; ++c) fence_regs(part[c]);
-        float sc[NB / 2];
-#pragma unroll
-        for (int e = 0; e < NB / 2; ++e) {
-          sc[e] = part[0][e];
-#pragma unroll
-          for (int c = 1; c < kChains; ++c) sc[e] += part[c][e];
-        }
-
-        // Online softmax along the tokens: a query row's 64 scores lie in the 8 lanes of one q in each warp.
-        const int t0 = tok_lo + i * kTile;
-        float x0[kCols], x1[kCols], mx[kCols];
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          const int k = 4 * (c >> 1) + (c & 1), kl = k + R / 2;  // Q_hi's column, Q_lo's
-          x0[c] = t0 + ta < vis[c] ? (sc[k] + sc[kl] * 0.0625f) * fac[c] : -INFINITY;
-          x1[c] = t0 + ta + 8 < vis[c] ? (sc[k + 2] + sc[kl + 2] * 0.0625f) * fac[c] : -INFINITY;
-          mx[c] = fmaxf(x0[c], x1[c]);
-#pragma unroll
-          for (int x = 4; x <= 16; x <<= 1) mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], x));
-        }
-        // The running maxima move only where a score passes them by more than 2^kSlack, so P^T stays below 2^kSlack
-        // (far inside fp16) and most tiles skip the exchange between the warps, and the output the rescaling.
-        bool pass = false;
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) pass |= mx[c] > m[c] + kSlack;
-        const bool move = wg_any(pass, kBarMax + wg);
-        float* red = s_red + (2 * wg + (g & 1)) * 4 * R;
-        if (move) narrow_share<R>(mx, red, warp, lane, q, kBarMax + wg);
-        const uint32_t pt = s_p + ps * (N * 128);
-        if (g >= kSlots) bar_wait(&pempty[ps], pph ^ 1);
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          const int nl = narrow_row(c, q), n = r0 + nl;
-          if (move) {
-            const float tile_max = fmaxf(fmaxf(red[nl], red[R + nl]), fmaxf(red[2 * R + nl], red[3 * R + nl]));
-            const float mn = fmaxf(m[c], tile_max);
-            const float alpha = exp2f(m[c] - (mn == -INFINITY ? 0.f : mn));
-            m[c] = mn;
-            l[c] *= alpha;
-            if (warp == 0 && lane < 4) s_alpha[ps * N + n] = alpha;
-          }
-          const float u = m[c] == -INFINITY ? 0.f : m[c];
-          x0[c] = exp2f(x0[c] - u);
-          x1[c] = exp2f(x1[c] - u);
-          l[c] += x0[c] + x1[c];
-          // P^T [n][token], K-major for the values' B operand.
-          const uint32_t row = pt + n * 128, sw = n & 7;
-          sts16(row + (((ta >> 3) ^ sw) << 4) + (ta & 7) * 2, __half_as_ushort(__float2half_rn(x0[c])));
-          sts16(row + ((((ta + 8) >> 3) ^ sw) << 4) + (ta & 7) * 2, __half_as_ushort(__float2half_rn(x1[c])));
-        }
-        if (t == 0) s_moved[2 * ps + wg] = move;
-        fence_async_smem();  // P^T's stores -> the output warpgroup's wgmma reads
-        sm90_wgmma::bar_arrive(&pfull[ps]);
-        if (++ps == kSlots) ps = 0, pph ^= 1;
-      }
-
-      float* sums = s_sums + wg * 4 * R;
-      narrow_sum_rows<R>(l, sums, warp, lane, q, kBarMax + wg);
-      float* inv = s_inv + (pieces & 1) * N;
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int nl = narrow_row(c, q), n = r0 + nl;
-        const float sum = sums[nl] + sums[R + nl] + sums[2 * R + nl] + sums[3 * R + nl];
-        const bool any = ntiles > 0 && sum > 0.f;
-        const float lse = any ? m[c] + log2f(sum) : -INFINITY;
-        if (warp == 0 && lane < 4) inv[n] = any ? kv_scale / sum : 0.f;
-        if (n >= p.rows || warp != 0 || lane >= 4) continue;
-        const int qi = n / p.heads, h = n % p.heads;
-        if (splits == 1) {
-          if (p.lse != nullptr) p.lse[b * p.l_b + qi * p.l_s + h * p.l_h] = lse * 0.6931471805599453f;
-        } else {
-          p.part_lse[slot * p.rows + n] = lse;
-        }
-      }
-      bar_sync_n(kBarOut, kOutThreads);
-      tiles_done += ntiles;
-      ++pieces;
-      cursor = pc.piece_end;
+      score_cols<L>(p, kv_scale, s_q, s_raw, s_p, s_alpha, s_red, s_sums, s_inv, s_rinv, s_moved, full, pfull, pempty,
+                    warp, lane);
     }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
   uint32_t tiles_done = 0, pieces = 0;
-  uint32_t ps = 0, pph = 0;  // as the scoring warpgroups'
+  uint32_t ps = 0, pph = 0;  // as the scoring warpgroup's
   for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
     const int splits = splits_of[b];
     const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
@@ -464,18 +579,17 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
       const uint32_t pt = s_p + ps * (N * 128);
       bar_wait(&pfull[ps], pph);
       bar_wait(&full[s], (g / kStages) & 1);  // the tile's bytes, for this warpgroup's own reads
+      // The rows whose maxima the tile moved (at 32 rows a scoring warp's rows, output columns 2 w and 2 w + 1, move
+      // together; at 16 all of them).
 #pragma unroll
-      for (int half = 0; half < kSplit; ++half) {
-        if (!s_moved[2 * ps + half]) continue;
+      for (int c = 0; c < kCols; ++c) {
+        if (!s_moved[4 * ps + (N == 32 ? c >> 1 : 0)]) continue;
+        const float alpha = s_alpha[ps * N + narrow_row(c, q)];
+        const int k = 4 * (c >> 1) + (c & 1);
 #pragma unroll
-        for (int c = half * kColsOut / kSplit; c < (half + 1) * kColsOut / kSplit; ++c) {
-          const float alpha = s_alpha[ps * N + narrow_row(c, q)];
-          const int k = 4 * (c >> 1) + (c & 1);
-#pragma unroll
-          for (int mb = 0; mb < 8; ++mb) {
-            o[mb][k] *= alpha;
-            o[mb][k + 2] *= alpha;
-          }
+        for (int mb = 0; mb < 8; ++mb) {
+          o[mb][k] *= alpha;
+          o[mb][k + 2] *= alpha;
         }
       }
       const int valid = tok_hi - (tok_lo + i * kTile);
@@ -489,22 +603,22 @@ __global__ void __launch_bounds__(Roles<N>::kThreads, 1) mla_decode_narrow_rs_ke
         for (int mb = 0; mb < 8; ++mb) mma_values_rs<N>(o[mb], fr[kk & 1][mb], desc_k(pt + kk * 32));
         wgmma_commit();
         if (kk < 3) values_fragments(tile, kk + 1, warp, lane, fr[(kk + 1) & 1]);
+        if (kk == 2) sm90_wgmma::bar_arrive(&empty[s]);  // the tile's last reads (the products take registers)
         wgmma_wait<0>();
       }
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb) fence_regs(o[mb]);
       sm90_wgmma::bar_arrive(&pempty[ps]);
-      sm90_wgmma::bar_arrive(&empty[s]);
       if (++ps == kSlots) ps = 0, pph ^= 1;
     }
 
     // out^T's columns are this thread's query rows; product mb = 2 grp + e holds latent columns 128 grp + 32 w +
     // 2 g + e (row g) and + 16 (row g + 8).
-    bar_sync_n(kBarOut, kOutThreads);
+    bar_sync_n(kBarOut, 256);
     const float* inv = s_inv + (pieces & 1) * N;
     const int col0 = 32 * warp + 2 * (lane >> 2);
 #pragma unroll
-    for (int c = 0; c < kColsOut; ++c) {
+    for (int c = 0; c < kCols; ++c) {
       const int n = narrow_row(c, q), k = 4 * (c >> 1) + (c & 1);
       if (n >= p.rows) continue;
       const float f = inv[n];
@@ -546,7 +660,7 @@ int launch_t(const Params& p, int programs, cudaStream_t stream) {
   static_assert(bytes <= 227 * 1024, "shared memory");
   cudaError_t err = sm90::opt_in_shared_memory<mla_decode_narrow_rs_kernel<N>>(bytes);
   if (err != cudaSuccess) return static_cast<int>(err);
-  mla_decode_narrow_rs_kernel<N><<<dim3(1, programs), Roles<N>::kThreads, bytes, stream>>>(p);
+  mla_decode_narrow_rs_kernel<N><<<dim3(1, programs), kThreads, bytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
