@@ -12,7 +12,8 @@ the queries scaled into fp16; or, for FP8 pages under bf16 queries, multiplied a
 - ``csrc/mla/sm90_mla_decode_narrow_rs.cu``: the same rows and products without fp16 images, for bf16 queries
   (``NARROW_RS``): the scores by FP8 wgmma on the tile as it landed (by TMA for the one-tensor cache from page 64
   on, else by cp.async token rows), the queries split exactly into two FP8 parts, and the values' operand widened
-  in registers; at 32 rows two warpgroups compute the scores, 16 rows each.
+  in registers; at 32 rows the scores are not transposed: the two query parts are wgmma's 64 rows and the tile its
+  B operand.
 
 All walk the same split-KV schedule as the Triton kernel (``plan_kernel.py``; a plan made for them has 64-row
 blocks and one CTA per SM) and write split pieces to the same workspace, merged by the same combine kernel. FP8
@@ -59,7 +60,7 @@ NARROW_STAGES = 2
 # FP8 pages of up to NARROW_MAX_ROWS rows under bf16 queries: the narrow kernel without fp16 images
 # (csrc/mla/sm90_mla_decode_narrow_rs.cu: the scores by FP8 wgmma on the tile as it landed, the queries split into
 # two FP8 parts; the values from fragments widened in registers; 1.13-1.46x the fp16 stages on an H100,
-# docs/perf-notes.md, before its lazy maxima and second scoring warpgroup); False keeps the fp16 stages (as fp16
+# docs/perf-notes.md, before its lazy maxima and untransposed 32-row scores); False keeps the fp16 stages (as fp16
 # queries do).
 NARROW_RS = True
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
