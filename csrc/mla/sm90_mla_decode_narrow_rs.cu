@@ -210,6 +210,23 @@ __device__ __forceinline__ void values_fragments(uint32_t tile, int kk, int warp
   }
 }
 
+// Query row n's end of a piece, from its running maximum m and sum (log2 units): the output warpgroup's factor
+// (1 / sum, times the cache's scale) in inv, and the LSE (natural log) where the sequence is not split, else the
+// piece's (log2) for the combine.
+__device__ __forceinline__ void finish_row(const Params& p, float* inv, int n, float m, float sum, int ntiles,
+                                           int splits, int b, int64_t slot, float kv_scale) {
+  const bool any = ntiles > 0 && sum > 0.f;
+  inv[n] = any ? kv_scale / sum : 0.f;
+  if (n >= p.rows) return;
+  const float lse = any ? m + log2f(sum) : -INFINITY;
+  if (splits == 1) {
+    const int qi = n / p.heads, h = n % p.heads;
+    if (p.lse != nullptr) p.lse[b * p.l_b + qi * p.l_s + h * p.l_h] = lse * 0.6931471805599453f;
+  } else {
+    p.part_lse[slot * p.rows + n] = lse;
+  }
+}
+
 // The scoring warpgroup of 32 rows: scores [64, 64 tokens] = [Q_hi; Q_lo] [64, 576] . tile^T, the query parts as
 // wgmma's A (query row n's two parts in rows 16 (n / 8) + n % 8 and + 8, so a thread holds both of its row's parts)
 // and the tile as B, both as they lie in shared memory: each tile is read once for all 32 rows, and a query row's 64
@@ -307,18 +324,7 @@ __device__ __forceinline__ void score_rows(const Params& p, float kv_scale, uint
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    float* inv = s_inv + (pieces & 1) * N;
-    const bool any = ntiles > 0 && l > 0.f;
-    const float lse = any ? m + log2f(l) : -INFINITY;
-    if (q == 0) inv[n] = any ? kv_scale / l : 0.f;
-    if (q == 0 && n < p.rows) {
-      const int qi = n / p.heads, h = n % p.heads;
-      if (splits == 1) {
-        if (p.lse != nullptr) p.lse[b * p.l_b + qi * p.l_s + h * p.l_h] = lse * 0.6931471805599453f;
-      } else {
-        p.part_lse[slot * p.rows + n] = lse;
-      }
-    }
+    if (q == 0) finish_row(p, s_inv + (pieces & 1) * N, n, m, l, ntiles, splits, b, slot, kv_scale);
     bar_sync_n(kBarOut, 256);
     tiles_done += ntiles;
     ++pieces;
@@ -444,21 +450,12 @@ __device__ __forceinline__ void score_cols(const Params& p, float kv_scale, uint
     }
 
     narrow_sum_rows<N>(l, s_sums, warp, lane, q, kBarMax);
-    float* inv = s_inv + (pieces & 1) * N;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int n = narrow_row(c, q);
       const float sum = s_sums[n] + s_sums[N + n] + s_sums[2 * N + n] + s_sums[3 * N + n];
-      const bool any = ntiles > 0 && sum > 0.f;
-      const float lse = any ? m[c] + log2f(sum) : -INFINITY;
-      if (warp == 0 && lane < 4) inv[n] = any ? kv_scale / sum : 0.f;
-      if (n >= p.rows || warp != 0 || lane >= 4) continue;
-      const int qi = n / p.heads, h = n % p.heads;
-      if (splits == 1) {
-        if (p.lse != nullptr) p.lse[b * p.l_b + qi * p.l_s + h * p.l_h] = lse * 0.6931471805599453f;
-      } else {
-        p.part_lse[slot * p.rows + n] = lse;
-      }
+      if (warp == 0 && lane < 4)
+        finish_row(p, s_inv + (pieces & 1) * N, n, m[c], sum, ntiles, splits, b, slot, kv_scale);
     }
     bar_sync_n(kBarOut, 256);
     tiles_done += ntiles;
