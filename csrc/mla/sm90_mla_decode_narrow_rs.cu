@@ -23,12 +23,12 @@ namespace fim {
 namespace sm90_mla {
 namespace narrow_rs {
 
-constexpr int kTileBytes = 5 * kBlock;               // [5 column blocks][64 rows][128 bytes]
-constexpr int kRopeCol = 448;                        // the fifth block's first column: its bytes 64-127 are the rope
-constexpr int kBarMax = 6, kBarQ = 8, kBarOut = 10;  // named barriers
-constexpr int kBarTail = 11;                         // within the output warpgroup: a partial tile's tail cleared
-constexpr float kSlack = 8.f;                        // log2 of how far P^T may exceed 1 before the maxima move
-constexpr int kScore = 0, kOut = 1, kCopy = 2, kThreads = 384;  // the warpgroups
+constexpr int kTileBytes = 5 * kBlock;                // [5 column blocks][64 rows][128 bytes]
+constexpr int kRopeCol = 448;                         // the fifth block's first column: its bytes 64-127 are the rope
+constexpr int kBarMax = 6, kBarQ = 8, kBarOut = 10;   // named barriers
+constexpr int kBarTail = 11;                          // within the output warpgroup: a partial tile's tail cleared
+constexpr float kSlack = 8.f;                         // log2 of how far P^T may exceed 1 before the maxima move
+constexpr int kScore = 0, kCopy = 2, kThreads = 384;  // the warpgroups (1: the output)
 
 // Q's FP8 parts [5 blocks][2N rows][128 bytes], the tile buffers, P^T [kSlots][N rows][64 tokens], the rescale
 // factors [kSlots][N], the maxima exchange [2][4][N] and the sums [4][N] (16 rows), the output factors [2][N], Q's row
