@@ -30,18 +30,19 @@ constexpr int kBarTail = 11;                          // within the output warpg
 constexpr float kSlack = 8.f;                         // log2 of how far P^T may exceed 1 before the maxima move
 constexpr int kScore = 0, kCopy = 2, kThreads = 384;  // the warpgroups (1: the output)
 
-// Q's FP8 parts [5 blocks][2N rows][128 bytes], the tile buffers, P^T [kSlots][N rows][64 tokens], the rescale
-// factors [kSlots][N], the maxima exchange [2][4][N] and the sums [4][N] (16 rows), the output factors [2][N], Q's row
-// factors [N], the slots' flags [kSlots][4], barriers; 1024 bytes of slack for alignment. The queries are read from
-// global memory where they are split, so the tile buffers take the rest: 5 at 16 rows, 4 at 32.
+// Q's FP8 parts [5 blocks][2N rows][128 bytes] (16 rows; at 32 they are the scoring warpgroup's registers), the tile
+// buffers, P^T [kSlots][N rows][64 tokens], the rescale factors [kSlots][N], the maxima exchange [2][4][N] and the sums
+// [4][N] (16 rows), the output factors [2][N], Q's row factors [N], the slots' flags [kSlots][4], barriers; 1024 bytes
+// of slack for alignment. The queries are read from global memory where they are split, so the tile buffers take the
+// rest: 5.
 template <int N>
 struct Layout {
-  static constexpr int kStages = N == 16 ? 5 : 4;
+  static constexpr int kStages = 5;
   // P^T and its factors, handed from the scoring warpgroup to the output one (three at 32 rows; 16 rows have room
   // for two beside their five tile buffers)
   static constexpr int kSlots = N == 32 ? 3 : 2;
   static constexpr int q_block = 2 * N * 128;
-  static constexpr int raw = 5 * q_block;
+  static constexpr int raw = N == 32 ? 0 : 5 * q_block;
   static constexpr int p = raw + kStages * kTileBytes;
   static constexpr int alpha = p + kSlots * N * 128;
   static constexpr int red = alpha + kSlots * N * 4;
@@ -93,7 +94,7 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
 // rows past the last read zeros) into a scoring warpgroup's [5][2R][128] image: warp w takes rows w, w + 4, ...;
 // each row's factor, a power of two, puts its largest value at 224-448; s_rinv gets its inverse. Column c of the row
 // lies in block c / 128 (c < 512) or 4 (the rope, bytes 64 on) of the image.
-template <int R, bool kInter>
+template <int R>
 __device__ __forceinline__ void split_queries(const Params& p, int b, uint32_t s_q, float* s_rinv, int warp, int lane) {
   constexpr int q_block = 2 * R * 128;
   for (int n = warp; n < R; n += 4) {
@@ -145,7 +146,7 @@ __device__ __forceinline__ void split_queries(const Params& p, int b, uint32_t s
       const int blk = col < 512 ? col >> 7 : 4, byte = col < 512 ? col & 127 : 64 + col - 512;
 #pragma unroll
       for (int part = 0; part < 2; ++part) {
-        const int row = kInter ? 16 * (n >> 3) + 8 * part + (n & 7) : n + part * R;
+        const int row = n + part * R;
         const uint32_t addr = s_q + blk * q_block + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 8));
         sts64(addr, part ? lo[0] : hi[0], part ? lo[1] : hi[1]);
       }
@@ -227,15 +228,62 @@ __device__ __forceinline__ void finish_row(const Params& p, float* inv, int n, f
   }
 }
 
+// This thread's A fragments of the 32-row scores: query row n's two FP8 parts (Q_hi in the fragment's row g, Q_lo
+// in row g + 8) for the 18 k steps of 32 columns, read from global memory. Step k's registers 0 / 1 hold columns
+// 32 k + 4 q .. + 3 of Q_hi / Q_lo, registers 2 / 3 the same 16 columns on; the row's factor (as split_queries')
+// comes from the quad, whose four lanes hold its 576 columns between them. Returns the factor's inverse.
+__device__ __forceinline__ float query_fragments(const Params& p, int b, int n, int q, uint32_t (&qa)[18][4]) {
+  const bool ok = n < p.rows;
+  const int qi = ok ? n / p.heads : 0, h = ok ? n % p.heads : 0;
+  const uint16_t* qn = static_cast<const uint16_t*>(p.qn) + b * p.qn_b + qi * p.qn_s + h * p.qn_h;
+  const uint16_t* qp = static_cast<const uint16_t*>(p.qp) + b * p.qp_b + qi * p.qp_s + h * p.qp_h;
+  uint2 w[18][2];
+  float amax = 0.f;
+#pragma unroll
+  for (int k = 0; k < 18; ++k) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = 32 * k + 16 * half + 4 * q;
+      w[k][half] = ok ? __ldg(reinterpret_cast<const uint2*>(col < 512 ? qn + col : qp + col - 512)) : make_uint2(0, 0);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[k][half].x));
+      const float2 c = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[k][half].y));
+      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(c.x), fabsf(c.y))));
+    }
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  const float f = amax > 0.f ? fminf(__int_as_float(__float_as_int(448.f / amax) & 0x7f800000), 0x1p100f) : 1.f;
+#pragma unroll
+  for (int k = 0; k < 18; ++k) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t in[2] = {w[k][half].x, w[k][half].y};
+      uint32_t hi = 0, lo = 0;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[e]));
+        const float a = v.x * f, c = v.y * f;
+        const uint32_t hp = e4m3x2(a, c), hw = e4m3x2_to_f16x2(hp);
+        const float2 hf = __half22float2(*reinterpret_cast<const __half2*>(&hw));
+        hi |= hp << (16 * e);
+        lo |= e4m3x2((a - hf.x) * 16.f, (c - hf.y) * 16.f) << (16 * e);
+      }
+      qa[k][2 * half] = hi;
+      qa[k][2 * half + 1] = lo;
+    }
+  }
+  return 1.f / f;
+}
+
 // The scoring warpgroup of 32 rows: scores [64, 64 tokens] = [Q_hi; Q_lo] [64, 576] . tile^T, the query parts as
-// wgmma's A (query row n's two parts in rows 16 (n / 8) + n % 8 and + 8, so a thread holds both of its row's parts)
-// and the tile as B, both as they lie in shared memory: each tile is read once for all 32 rows, and a query row's 64
-// scores lie in the four lanes of a quad, so its maxima and sums need no exchange between the warps, and a warp's rows
-// move their maxima together.
+// wgmma's A from registers (query row n's two parts in rows 16 (n / 8) + n % 8 and + 8, so a thread holds both of its
+// row's parts) and the tile as B in shared memory: each tile is read once for all 32 rows, the queries take no shared
+// memory (its room holds a fifth tile), and a query row's 64 scores lie in the four lanes of a quad, so its maxima
+// and sums need no exchange between the warps, and a warp's rows move their maxima together.
 template <class L>
-__device__ __forceinline__ void score_rows(const Params& p, float kv_scale, uint32_t s_q, uint32_t s_raw, uint32_t s_p,
-                                           float* s_alpha, float* s_inv, float* s_rinv, int* s_moved, uint64_t* full,
-                                           uint64_t* pfull, uint64_t* pempty, int warp, int lane) {
+__device__ __forceinline__ void score_rows(const Params& p, float kv_scale, uint32_t s_raw, uint32_t s_p,
+                                           float* s_alpha, float* s_inv, int* s_moved, uint64_t* full, uint64_t* pfull,
+                                           uint64_t* pempty, int warp, int lane) {
   constexpr int N = 32, kChains = 4, kStages = L::kStages, kSlots = L::kSlots;
   const int q = lane & 3, n = 8 * warp + (lane >> 2);  // this thread's query row
   const int prog = blockIdx.y, B = p.batch, chunk = p.sched[0], total = p.sched[1];
@@ -251,26 +299,23 @@ __device__ __forceinline__ void score_rows(const Params& p, float kv_scale, uint
     const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
     const int length = pc.length, tok_lo = pc.tok_lo, tok_hi = pc.tok_hi, ntiles = pc.ntiles;
     const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
-    wg_sync(kBarQ);  // the last piece's products are done with the parts
-    split_queries<N, true>(p, b, s_q, s_rinv, warp, lane);
-    fence_async_smem();  // the parts' stores -> the wgmma's reads
-    wg_sync(kBarQ);
+    uint32_t qa[18][4];
+    const float fac = query_fragments(p, b, n, q, qa) * p.qk_scale * kv_scale;
     const int vis = n < p.rows ? min(p.causal ? length - p.s_q + 1 + n / p.heads : length, tok_hi) : 0;
-    const float fac = s_rinv[n] * p.qk_scale * kv_scale;
     float m = -INFINITY, l = 0.f;
     for (int i = 0; i < ntiles; ++i) {
       const uint32_t g = tiles_done + i, s = g % kStages, tile = s_raw + s * kTileBytes;
       bar_wait(&full[s], (g / kStages) & 1);
       float part[kChains][32];
-      const uint64_t dk = desc_k(__shfl_sync(0xffffffffu, tile, 0)), dq = desc_k(s_q);
+      const uint64_t dk = desc_k(__shfl_sync(0xffffffffu, tile, 0));
       wgmma_fence();
       // Steps 0-8 into chains 0 and 1, 9-17 into 2 and 3 (4-5 steps each): the first half's sums are added while
       // the second half's products run.
 #pragma unroll
       for (int k = 0; k < 18; ++k) {
         const int blk = k < 16 ? k >> 2 : 4, kk = k < 16 ? k & 3 : k - 14;
-        sm90_wgmma::wgmma_m64n64k32(part[(k >= 9 ? 2 : 0) + (k & 1)], desc_at(dq, blk * L::q_block + kk * 32),
-                                    desc_at(dk, blk * kBlock + kk * 32), k != 0 && k != 1 && k != 9 && k != 10);
+        mma_scores_fp8_rs(part[(k >= 9 ? 2 : 0) + (k & 1)], qa[k], desc_at(dk, blk * kBlock + kk * 32),
+                          k != 0 && k != 1 && k != 9 && k != 10);
         if (k == 8 || k == 17) wgmma_commit();
       }
       wgmma_wait<1>();
@@ -357,7 +402,7 @@ __device__ __forceinline__ void score_cols(const Params& p, float kv_scale, uint
     const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
 
     wg_sync(kBarQ);  // the last piece's products are done with the parts
-    split_queries<N, false>(p, b, s_q, s_rinv, warp, lane);
+    split_queries<N>(p, b, s_q, s_rinv, warp, lane);
     fence_async_smem();  // the parts' stores -> the wgmma's reads
     wg_sync(kBarQ);
 
@@ -510,10 +555,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
   const int32_t* slot_of = splits_of + B;
   const int end = min(prog * chunk + chunk, total);
 
-  // 224 registers for the output warpgroup (the output and two steps' fragments) and for the scoring one (32 rows: four
-  // chains of scores [64, 64]), 56 for the copying one: the 168 x 384 a CTA starts with.
+  // 224 registers for the output warpgroup (the output and two steps' fragments) and for the scoring one (232 at 32
+  // rows: four chains of scores [64, 64] and the queries' fragments), 56 for the copying one (48 at 32 rows): the
+  // 168 x 384 the CTA starts with.
   if (wg == kCopy) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    if constexpr (N == 32) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 48;");
+    } else {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    }
     if (p.tma && t != 0) return;
     // The copying warpgroup runs ahead through the pieces, bounded by the free buffers: by TMA (one thread; a tile's
     // 64 tokens lie in one page, and rows past the sequence's end come as the page holds them), or by cp.async token
@@ -548,10 +598,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
   // Each role walks the pieces on its own (ptxas gives a region one register budget, so the roles' loops are apart);
   // tiles_done and pieces keep the barriers' phases.
   if (wg == kScore) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
     if constexpr (N == 32) {
-      score_rows<L>(p, kv_scale, s_q, s_raw, s_p, s_alpha, s_inv, s_rinv, s_moved, full, pfull, pempty, warp, lane);
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+      score_rows<L>(p, kv_scale, s_raw, s_p, s_alpha, s_inv, s_moved, full, pfull, pempty, warp, lane);
     } else {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
       score_cols<L>(p, kv_scale, s_q, s_raw, s_p, s_alpha, s_red, s_sums, s_inv, s_rinv, s_moved, full, pfull, pempty,
                     warp, lane);
     }
