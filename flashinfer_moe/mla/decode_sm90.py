@@ -12,8 +12,8 @@ the queries scaled into fp16; or, for FP8 pages under bf16 queries, multiplied a
 - ``csrc/mla/sm90_mla_decode_narrow_rs.cu``: the same rows and products without fp16 images, for bf16 queries
   (``NARROW_RS``): the scores by FP8 wgmma on the tile as it landed (by TMA for the one-tensor cache from page 64
   on, else by cp.async token rows), the queries split exactly into two FP8 parts, and the values' operand widened
-  in registers; at 32 rows the scores are not transposed: the two query parts are wgmma's 64 rows and the tile its
-  B operand.
+  in registers; at 32 rows the scores are not transposed: the two query parts are wgmma's 64 rows (in registers)
+  and the tile its B operand.
 
 All walk the same split-KV schedule as the Triton kernel (``plan_kernel.py``; a plan made for them has 64-row
 blocks and one CTA per SM) and write split pieces to the same workspace, merged by the same combine kernel. FP8
