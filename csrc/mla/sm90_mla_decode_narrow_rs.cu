@@ -90,6 +90,21 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
   return r;
 }
 
+// A query row's factor: the largest power of two at most 448 / amax (its exponent bits), capped where amax is tiny or
+// zero.
+__device__ __forceinline__ float query_factor(float amax) {
+  return amax > 0.f ? fminf(__int_as_float(__float_as_int(448.f / amax) & 0x7f800000), 0x1p100f) : 1.f;
+}
+
+// Two query values (times their row's factor) as their two E4M3 parts, a in the low byte of each: hi = e4m3(v) and
+// lo = e4m3(16 (v - hi)).
+__device__ __forceinline__ void split_pair(float a, float c, uint32_t& hi, uint32_t& lo) {
+  hi = e4m3x2(a, c);
+  const uint32_t hw = e4m3x2_to_f16x2(hi);
+  const float2 hf = __half22float2(*reinterpret_cast<const __half2*>(&hw));
+  lo = e4m3x2((a - hf.x) * 16.f, (c - hf.y) * 16.f);
+}
+
 // Q's two FP8 parts of the R query rows from the bf16 queries of sequence b (read from global memory;
 // rows past the last read zeros) into a scoring warpgroup's [5][2R][128] image: warp w takes rows w, w + 4, ...;
 // each row's factor, a power of two, puts its largest value at 224-448; s_rinv gets its inverse. Column c of the row
@@ -120,8 +135,7 @@ __device__ __forceinline__ void split_queries(const Params& p, int b, uint32_t s
     }
 #pragma unroll
     for (int x = 1; x < 32; x <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, x));
-    // The largest power of two at most 448 / amax (its exponent bits), capped where amax is tiny or zero.
-    const float f = amax > 0.f ? fminf(__int_as_float(__float_as_int(448.f / amax) & 0x7f800000), 0x1p100f) : 1.f;
+    const float f = query_factor(amax);
     if (lane == 0) s_rinv[n] = 1.f / f;
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
@@ -130,10 +144,8 @@ __device__ __forceinline__ void split_queries(const Params& p, int b, uint32_t s
       uint32_t hi[2], lo[2];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const float a = v[j][2 * k] * f, b = v[j][2 * k + 1] * f;
-        const uint32_t h = e4m3x2(a, b), hw = e4m3x2_to_f16x2(h);
-        const float2 hf = __half22float2(*reinterpret_cast<const __half2*>(&hw));
-        const uint32_t l = e4m3x2((a - hf.x) * 16.f, (b - hf.y) * 16.f);
+        uint32_t h, l;
+        split_pair(v[j][2 * k] * f, v[j][2 * k + 1] * f, h, l);
         if (k & 1) {
           hi[k >> 1] |= h << 16;
           lo[k >> 1] |= l << 16;
@@ -252,7 +264,7 @@ __device__ __forceinline__ float query_fragments(const Params& p, int b, int n, 
   }
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  const float f = amax > 0.f ? fminf(__int_as_float(__float_as_int(448.f / amax) & 0x7f800000), 0x1p100f) : 1.f;
+  const float f = query_factor(amax);
 #pragma unroll
   for (int k = 0; k < 18; ++k) {
 #pragma unroll
@@ -262,11 +274,10 @@ __device__ __forceinline__ float query_fragments(const Params& p, int b, int n, 
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[e]));
-        const float a = v.x * f, c = v.y * f;
-        const uint32_t hp = e4m3x2(a, c), hw = e4m3x2_to_f16x2(hp);
-        const float2 hf = __half22float2(*reinterpret_cast<const __half2*>(&hw));
-        hi |= hp << (16 * e);
-        lo |= e4m3x2((a - hf.x) * 16.f, (c - hf.y) * 16.f) << (16 * e);
+        uint32_t h, l;
+        split_pair(v.x * f, v.y * f, h, l);
+        hi |= h << (16 * e);
+        lo |= l << (16 * e);
       }
       qa[k][2 * half] = hi;
       qa[k][2 * half + 1] = lo;
