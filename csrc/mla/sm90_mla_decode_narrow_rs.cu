@@ -8,7 +8,7 @@
 // exactly, so Q_hi + Q_lo / 16 is the query itself and the scores take the FP8 tensor cores at no cost in accuracy
 // (the softmax scale multiplies the fp32 scores). fp16 queries (11 significant bits) stay on the other kernel.
 //
-// Three warpgroups. The copying one (its registers given to the others) brings each tile into one of 4 or 5 buffers as
+// Three warpgroups. The copying one (its registers given to the others) brings each tile into one of five buffers as
 // a 128-byte swizzled [5 column blocks][64 rows][128 bytes] image (latent columns 0-511, then 448-575 for the rope): by
 // TMA from one thread where the one-tensor cache's pages hold whole tiles, else by cp.async token rows. The scoring
 // one computes the scores and the online softmax and hands P^T and the rescale factors to the output warpgroup
