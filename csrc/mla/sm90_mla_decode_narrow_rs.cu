@@ -1,7 +1,8 @@
 // Paged MLA decode on Hopper (sm_90a) for FP8 (E4M3) pages, bf16 queries and at most 32 (new token, head) rows: the
-// narrow kernel's transposed products (sm90_mla_decode_narrow.cu) without its fp16 image of each tile, whose writing
-// and reading were most of that kernel's shared-memory traffic:
-//   scores^T [64 tokens, 2N] = tile [64, 576] . [Q_hi; Q_lo]^T   FP8 wgmma, both operands as they lie in shared memory
+// narrow kernel's products (sm90_mla_decode_narrow.cu) without its fp16 image of each tile, whose writing and reading
+// were most of that kernel's shared-memory traffic:
+//   scores^T [64 tokens, 2N] = tile [64, 576] . [Q_hi; Q_lo]^T   FP8 wgmma, both operands in shared memory (16 rows)
+//   scores [2N, 64 tokens]   = [Q_hi; Q_lo] . tile^T              FP8 wgmma, the queries' parts in registers (32 rows)
 //   out^T [512, N]          += tile^T [512, 64] . P^T            fp16 wgmma, A widened from the FP8 bytes in registers
 // Q_hi and Q_lo are the bf16 queries (times a power of two per row) rounded to E4M3 and the remainder times 16:
 // a bf16 value's 8 significant bits leave a remainder of at most 8 units of its last place, which E4M3 holds
@@ -12,11 +13,10 @@
 // a 128-byte swizzled [5 column blocks][64 rows][128 bytes] image (latent columns 0-511, then 448-575 for the rope): by
 // TMA from one thread where the one-tensor cache's pages hold whole tiles, else by cp.async token rows. The scoring
 // one computes the scores and the online softmax and hands P^T and the rescale factors to the output warpgroup
-// through two slots (three at 32 rows); it reads the tile's latent columns with ldmatrix.trans (tokens along wgmma's K
-// side), widens them to fp16 in registers (E4M3 -> fp16 is exact) and accumulates the output, then frees the tile and
-// the slot, so the scoring works on tile i + 1 while the output works on tile i. At 32 rows the scores are not
-// transposed (score_rows): [Q_hi; Q_lo] is 64 rows, wgmma's M, and the tile its B operand. Same schedule, workspace
-// and combine as the other decode kernels.
+// through two slots (three at 32 rows). The output warpgroup reads the tile's latent columns with ldmatrix.trans
+// (tokens along wgmma's K side), widens them to fp16 in registers (E4M3 -> fp16 is exact) and accumulates the output,
+// then frees the tile and the slot, so the scoring works on tile i + 1 while the output works on tile i (score_cols at
+// 16 rows, score_rows at 32). Same schedule, workspace and combine as the other decode kernels.
 #include "mla/sm90_mla_common.cuh"
 
 namespace fim {
