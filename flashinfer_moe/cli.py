@@ -114,6 +114,15 @@ def cmd_build(args: argparse.Namespace) -> int:
         except jit.UnsupportedArchError as exc:
             refused.append(str(exc))
             continue
+        # An optional dependency that is missing skips its family when everything is built (the library then
+        # takes other kernels for those shapes); a family named with --kernel must build or fail.
+        problem = jit.core.header_problem(spec)
+        if problem is not None:
+            if args.kernel:
+                refused.append(f"{name}: {problem}")
+            else:
+                print(f"{name}: skipped ({problem})")
+            continue
         for a in arch:
             if a not in targets and not spec.archs:
                 print(f"{name}: not built for sm_{a} ({jit.arch_problem(spec, a)})")

@@ -178,6 +178,29 @@ def test_build_on_an_unsupported_gpu_arch_from_the_environment(tmp_path):
     assert "'routing' needs sm_80 or newer" in res.stderr and "from FLASHINFER_MOE_CUDA_ARCH" in res.stderr
 
 
+def test_build_without_cutlass_skips_its_family_unless_named(tmp_path, fake_nvcc):
+    """CUTLASS is optional: building everything skips the families on it; naming one is an error."""
+    from flashinfer_moe.cli import _load_kernel_registry
+
+    jit = _load_kernel_registry()
+    on_cutlass = sorted(n for n, spec in jit.REGISTRY.items() if "cutlass" in spec.header_sets)
+    assert on_cutlass, "no kernel family uses the CUTLASS headers"
+    env = {
+        "FLASHINFER_MOE_CACHE_DIR": str(tmp_path / "cache"),
+        "FLASHINFER_MOE_NVCC": str(fake_nvcc),
+        "FLASHINFER_MOE_CUTLASS_DIR": str(tmp_path / "no_cutlass"),
+    }
+    every = _cli("build", "--arch", "90a", env=env)
+    assert every.returncode == 0, every.stderr
+    for name in on_cutlass:
+        assert f"{name}: skipped (" in every.stdout and "not a CUTLASS include folder" in every.stdout, every.stdout
+    assert "routing: " in every.stdout and "permute: " in every.stdout
+    named = _cli("build", "--arch", "90a", "--kernel", on_cutlass[0], "--kernel", "routing", env=env)
+    assert named.returncode == 1
+    assert f"flashinfer-moe build: {on_cutlass[0]}: " in named.stderr and "CUTLASS" in named.stderr, named.stderr
+    assert "`--kernel routing` builds the families" in named.stderr, named.stderr
+
+
 def test_build_command_reports_progress_and_never_says_first_use(tmp_path, fake_nvcc):
     # The progress interval shortened in the child: three translation units of one second each (in parallel).
     code = (

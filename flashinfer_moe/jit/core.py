@@ -128,6 +128,22 @@ def _header_includes(spec: KernelSpec) -> list[tuple[str, Path, str]]:
     return [(name, *HEADER_SETS[name]()) for name in spec.header_sets]
 
 
+def header_problem(spec: KernelSpec) -> str | None:
+    """Why ``spec``'s third-party headers cannot be used here, or None when they all can.
+
+    Args:
+        spec: The kernel family.
+
+    Returns:
+        The message a build of ``spec`` would fail with, or None.
+    """
+    try:
+        _header_includes(spec)
+    except JitError as exc:
+        return str(exc)
+    return None
+
+
 REGISTRY: dict[str, KernelSpec] = {}
 
 
