@@ -103,6 +103,37 @@ __device__ __forceinline__ Piece piece_of(const Params& p, int b, int cursor, in
   return pc;
 }
 
+// A CTA's share of the split-KV schedule (plan_kernel.py's `sched`: [chunk, total, starts[B], ends[B], splits[B],
+// slot[B], first_seq[programs]]): cost units [begin, end) of program `prog`, from sequence `first` on.
+struct Sched {
+  const int32_t* starts;
+  const int32_t* ends;
+  const int32_t* splits;
+  const int32_t* slots;
+  int prog, chunk, begin, end, first;
+  // This CTA's piece of sequence b from cost unit `cursor` on.
+  __device__ __forceinline__ Piece piece(const Params& p, int b, int cursor) const {
+    return piece_of(p, b, cursor, end, starts[b], ends[b]);
+  }
+  // The workspace slot of this CTA's piece of a split sequence b, whose costs start at unit seq_start.
+  __device__ __forceinline__ int64_t slot(int b, int seq_start) const { return slots[b] + prog - seq_start / chunk; }
+};
+
+__device__ __forceinline__ Sched sched_of(const Params& p, int prog) {
+  Sched s;
+  const int B = p.batch;
+  s.starts = p.sched + 2;
+  s.ends = s.starts + B;
+  s.splits = s.ends + B;
+  s.slots = s.splits + B;
+  s.prog = prog;
+  s.chunk = p.sched[0];
+  s.begin = prog * s.chunk;
+  s.end = min(s.begin + s.chunk, p.sched[1]);
+  s.first = s.slots[B + prog];
+  return s;
+}
+
 // One warpgroup's named barrier (the narrow kernels' warpgroups sync apart).
 __device__ __forceinline__ void wg_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 

@@ -201,15 +201,8 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
   }
   __syncthreads();
 
-  const int B = p.batch;
-  const int chunk = p.sched[0], total = p.sched[1];
-  const int32_t* starts = p.sched + 2;
-  const int32_t* ends = starts + B;
-  const int32_t* splits_of = ends + B;
-  const int32_t* slot_of = splits_of + B;
-  int cursor = prog * chunk;
-  const int end = min(cursor + chunk, total);
-  int b = slot_of[B + prog];
+  const Sched sc = sched_of(p, prog);
+  int cursor = sc.begin, b = sc.first;
   uint32_t tiles_done = 0;  // tiles this CTA consumed so far: the stages' and barriers' phases
   uint32_t pieces = 0;
   uint32_t tails = 0;   // partial last tiles so far (TMA): the `tail` barrier's phase
@@ -219,8 +212,8 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
     // The producer: tile i + 1 is prepared while the consumers work on tile i, and tile i + 2 issued into tile
     // i's stage once they are done with it.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegsProducer));
-    while (cursor < end) {
-      const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+    while (cursor < sc.end) {
+      const Piece pc = sc.piece(p, b, cursor);
       const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
       const bool partial = tma && pc.ntiles > 0 && pc.tail_valid < kTile;
       begin_piece<T, FP8, PAGED, kCta>(p, pc, bt_row, base, full, qbar, tiles_done, b, rb, true, tma, copier, tid,
@@ -251,9 +244,9 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
   if constexpr (FP8) kv_scale = p.kv_scale != nullptr ? *p.kv_scale : p.kv_scale_value;
   const float score_scale = FP8 ? kv_scale : p.qk_scale;  // FP8: the queries carry qk_scale
 
-  while (cursor < end) {
-    const int splits = splits_of[b];
-    const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+  while (cursor < sc.end) {
+    const int splits = sc.splits[b];
+    const Piece pc = sc.piece(p, b, cursor);
     const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
     const bool partial = tma && pc.ntiles > 0 && pc.tail_valid < kTile;
 
@@ -444,7 +437,7 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
         if (row1 < p.rows) p.lse[b * p.l_b + qi1 * p.l_s + h1 * p.l_h] = lse1 * kLn2;
       }
     } else {
-      const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
+      const int64_t slot = sc.slot(b, pc.seq_start);
       float* o0 = p.part_out + (slot * p.rows + row0) * 512 + col0;
       float* o1 = p.part_out + (slot * p.rows + row1) * 512 + col0;
 #pragma unroll

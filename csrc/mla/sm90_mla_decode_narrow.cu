@@ -89,22 +89,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
   }
   __syncthreads();
 
-  const int B = p.batch;
-  const int chunk = p.sched[0], total = p.sched[1];
-  const int32_t* starts = p.sched + 2;
-  const int32_t* ends = starts + B;
-  const int32_t* splits_of = ends + B;
-  const int32_t* slot_of = splits_of + B;
-  int cursor = prog * chunk;
-  const int end = min(cursor + chunk, total);
-  int b = slot_of[B + prog];
+  const Sched sc = sched_of(p, prog);
+  int cursor = sc.begin, b = sc.first;
   const float kv_scale = p.kv_scale != nullptr ? *p.kv_scale : p.kv_scale_value;
 
   uint32_t tiles_done = 0, pieces = 0;  // the barriers' phases
   uint32_t raw_phases = 0;              // bit r: the raw buffer r's
-  while (cursor < end) {
-    const int seq_start = starts[b], seq_end = ends[b], splits = splits_of[b];
-    const int piece_end = min(end, seq_end);
+  while (cursor < sc.end) {
+    const int seq_start = sc.starts[b], seq_end = sc.ends[b], splits = sc.splits[b];
+    const int piece_end = min(sc.end, seq_end);
     const int length = min(max(p.seq_lens[b], 0), p.max_tokens);
     const int tok_lo = max(cursor - seq_start - kOverhead, 0) * kUnit;
     const int tok_hi = min(max(piece_end - seq_start - kOverhead, 0) * kUnit, length);
@@ -242,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_kernel(const __
         lse[c] = any ? m[c] + log2f(sum) : -INFINITY;
       }
       // out^T's columns are this thread's rows; its latent columns 64 mb + ta and + 8.
-      const int64_t slot = slot_of[b] + prog - seq_start / chunk;
+      const int64_t slot = sc.slot(b, seq_start);
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         const int n = 8 * (c >> 1) + 2 * q + (c & 1), k = 4 * (c >> 1) + (c & 1);

@@ -292,24 +292,18 @@ __device__ __forceinline__ float query_fragments(const Params& p, int b, int n, 
 // memory (its room holds a fifth tile), and a query row's 64 scores lie in the four lanes of a quad, so its maxima
 // and sums need no exchange between the warps, and a warp's rows move their maxima together.
 template <class L>
-__device__ __forceinline__ void score_rows(const Params& p, float kv_scale, uint32_t s_raw, uint32_t s_p,
-                                           float* s_alpha, float* s_inv, int* s_moved, uint64_t* full, uint64_t* pfull,
-                                           uint64_t* pempty, int warp, int lane) {
+__device__ __forceinline__ void score_rows(const Params& p, const Sched& sc, float kv_scale, uint32_t s_raw,
+                                           uint32_t s_p, float* s_alpha, float* s_inv, int* s_moved, uint64_t* full,
+                                           uint64_t* pfull, uint64_t* pempty, int warp, int lane) {
   constexpr int N = 32, kChains = 4, kStages = L::kStages, kSlots = L::kSlots;
   const int q = lane & 3, n = 8 * warp + (lane >> 2);  // this thread's query row
-  const int prog = blockIdx.y, B = p.batch, chunk = p.sched[0], total = p.sched[1];
-  const int32_t* starts = p.sched + 2;
-  const int32_t* ends = starts + B;
-  const int32_t* splits_of = ends + B;
-  const int32_t* slot_of = splits_of + B;
-  const int end = min(prog * chunk + chunk, total);
   uint32_t tiles_done = 0, pieces = 0;
   uint32_t ps = 0, pph = 0;  // the next P^T slot and its barriers' phase
-  for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
-    const int splits = splits_of[b];
-    const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+  for (int cursor = sc.begin, b = sc.first; cursor < sc.end; ++b) {
+    const int splits = sc.splits[b];
+    const Piece pc = sc.piece(p, b, cursor);
     const int length = pc.length, tok_lo = pc.tok_lo, tok_hi = pc.tok_hi, ntiles = pc.ntiles;
-    const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
+    const int64_t slot = sc.slot(b, pc.seq_start);
     uint32_t qa[18][4];
     const float fac = query_fragments(p, b, n, q, qa) * p.qk_scale * kv_scale;
     const int vis = n < p.rows ? min(p.causal ? length - p.s_q + 1 + n / p.heads : length, tok_hi) : 0;
@@ -392,25 +386,19 @@ __device__ __forceinline__ void score_rows(const Params& p, float kv_scale, uint
 // and the query parts as B; a query row's 64 scores lie in the 8 lanes of one q in each warp, so its maxima and sums
 // are exchanged between the warps through shared memory (s_red, s_sums).
 template <class L>
-__device__ __forceinline__ void score_cols(const Params& p, float kv_scale, uint32_t s_q, uint32_t s_raw, uint32_t s_p,
-                                           float* s_alpha, float* s_red, float* s_sums, float* s_inv, float* s_rinv,
-                                           int* s_moved, uint64_t* full, uint64_t* pfull, uint64_t* pempty, int warp,
-                                           int lane) {
+__device__ __forceinline__ void score_cols(const Params& p, const Sched& sc, float kv_scale, uint32_t s_q,
+                                           uint32_t s_raw, uint32_t s_p, float* s_alpha, float* s_red, float* s_sums,
+                                           float* s_inv, float* s_rinv, int* s_moved, uint64_t* full, uint64_t* pfull,
+                                           uint64_t* pempty, int warp, int lane) {
   constexpr int N = 16, kCols = N / 4, NB = 2 * N, kChains = 4, kStages = L::kStages, kSlots = L::kSlots;
   const int t = threadIdx.x & 127, q = lane & 3;
-  const int prog = blockIdx.y, B = p.batch, chunk = p.sched[0], total = p.sched[1];
-  const int32_t* starts = p.sched + 2;
-  const int32_t* ends = starts + B;
-  const int32_t* splits_of = ends + B;
-  const int32_t* slot_of = splits_of + B;
-  const int end = min(prog * chunk + chunk, total);
   uint32_t tiles_done = 0, pieces = 0;
   uint32_t ps = 0, pph = 0;  // the next P^T slot and its barriers' phase (kSlots need not be a power of two)
-  for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
-    const int splits = splits_of[b];
-    const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+  for (int cursor = sc.begin, b = sc.first; cursor < sc.end; ++b) {
+    const int splits = sc.splits[b];
+    const Piece pc = sc.piece(p, b, cursor);
     const int length = pc.length, tok_lo = pc.tok_lo, tok_hi = pc.tok_hi, ntiles = pc.ntiles;
-    const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
+    const int64_t slot = sc.slot(b, pc.seq_start);
 
     wg_sync(kBarQ);  // the last piece's products are done with the parts
     split_queries<N>(p, b, s_q, s_rinv, warp, lane);
@@ -558,13 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const int B = p.batch;
-  const int chunk = p.sched[0], total = p.sched[1];
-  const int32_t* starts = p.sched + 2;
-  const int32_t* ends = starts + B;
-  const int32_t* splits_of = ends + B;
-  const int32_t* slot_of = splits_of + B;
-  const int end = min(prog * chunk + chunk, total);
+  const Sched sc = sched_of(p, prog);
 
   // 224 registers for the output warpgroup (the output and two steps' fragments) and for the scoring one (232 at 32
   // rows: four chains of scores [64, 64] and the queries' fragments), 56 for the copying one (48 at 32 rows): the
@@ -580,8 +562,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
     // 64 tokens lie in one page, and rows past the sequence's end come as the page holds them), or by cp.async token
     // rows (any page size and layout; rows past the end read zeros), warp w copying tokens 16 w .. 16 w + 15.
     uint32_t g = 0;
-    for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
-      const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+    for (int cursor = sc.begin, b = sc.first; cursor < sc.end; ++b) {
+      const Piece pc = sc.piece(p, b, cursor);
       const int tok_lo = pc.tok_lo, tok_hi = pc.tok_hi;
       const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_b;
       PagesAhead<3> ahead;
@@ -611,22 +593,22 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
   if (wg == kScore) {
     if constexpr (N == 32) {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-      score_rows<L>(p, kv_scale, s_raw, s_p, s_alpha, s_inv, s_moved, full, pfull, pempty, warp, lane);
+      score_rows<L>(p, sc, kv_scale, s_raw, s_p, s_alpha, s_inv, s_moved, full, pfull, pempty, warp, lane);
     } else {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-      score_cols<L>(p, kv_scale, s_q, s_raw, s_p, s_alpha, s_red, s_sums, s_inv, s_rinv, s_moved, full, pfull, pempty,
-                    warp, lane);
+      score_cols<L>(p, sc, kv_scale, s_q, s_raw, s_p, s_alpha, s_red, s_sums, s_inv, s_rinv, s_moved, full, pfull,
+                    pempty, warp, lane);
     }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
   uint32_t tiles_done = 0, pieces = 0;
   uint32_t ps = 0, pph = 0;  // as the scoring warpgroup's
-  for (int cursor = prog * chunk, b = slot_of[B + prog]; cursor < end; ++b) {
-    const int splits = splits_of[b];
-    const Piece pc = piece_of(p, b, cursor, end, starts[b], ends[b]);
+  for (int cursor = sc.begin, b = sc.first; cursor < sc.end; ++b) {
+    const int splits = sc.splits[b];
+    const Piece pc = sc.piece(p, b, cursor);
     const int tok_lo = pc.tok_lo, tok_hi = pc.tok_hi, ntiles = pc.ntiles;
-    const int64_t slot = slot_of[b] + prog - pc.seq_start / chunk;
+    const int64_t slot = sc.slot(b, pc.seq_start);
 
     float o[8][N / 2];
 #pragma unroll
