@@ -22,7 +22,8 @@ against the float64 reference on a small case at the start), ``copy`` (a device-
 number of bytes: its time and the bytes read / that time).
 
 Everything is timed as medians of CUDA-graph replays (plan + decode in one graph; FlashMLA's metadata and combine
-kernels included). ``--sweep`` times kernel configurations (tokens per tile, warps, stages, programs per SM) per
+kernels included), each after ``SETTLE_MS`` of its own replays: an H200 running these kernels is power-limited, and
+one timed right after a lighter row reads up to 10% faster than it sustains (see timing.time_graph). ``--sweep`` times kernel configurations (tokens per tile, warps, stages, programs per SM) per
 (h_q, s_q) class at s_k 8192, page 64, for ``flashinfer_moe/mla/decode.py``'s ``CONFIGS`` (``--tma``: those of the
 TMA tile loads, ``TMA_CONFIGS``). ``--paths triton,new`` times each row twice: ``new`` the default dispatch (on
 Hopper the CUDA kernel for bf16/fp16 pages), ``triton`` the Triton kernel (TMA tile loads where the cache's layout
@@ -58,6 +59,7 @@ FP8 = torch.float8_e4m3fn
 DEV = "cuda"
 BATCH = 128
 SM_SCALE = 192**-0.5
+SETTLE_MS = 200.0  # replays before each timing, so that every row is timed in its own sustained power state
 BACKEND_ENV = "FLASHINFER_MOE_MLA_BACKEND"
 FP8_SCALE = 1.0 / 64
 
@@ -208,7 +210,7 @@ def _time_ours(cache: Cache, q_nope, q_pe, config: dict | None) -> float:
                 1 + config.get("SWAP", 0) if config.get("TMA", 0) else 0,
             )
 
-    return time_graph(fn, calls=10, reps=10)
+    return time_graph(fn, calls=10, reps=10, settle_ms=SETTLE_MS)
 
 
 def time_flashmla(fm, cache: Cache, q_nope, q_pe) -> float | None:
@@ -224,7 +226,7 @@ def time_flashmla(fm, cache: Cache, q_nope, q_pe) -> float | None:
         )
 
     try:
-        return time_graph(fn, calls=10, reps=10)
+        return time_graph(fn, calls=10, reps=10, settle_ms=SETTLE_MS)
     except Exception as e:  # a FlashMLA build that does not run here is a missing baseline, not a failure
         print(f"flashmla failed: {type(e).__name__}: {e}", file=sys.stderr)
         return None
@@ -237,7 +239,7 @@ def time_copy(nbytes: int) -> float:
     if nbytes not in _copy_us:
         src = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
         dst = torch.empty_like(src)
-        _copy_us[nbytes] = time_graph(lambda i: dst.copy_(src), calls=10, reps=10)
+        _copy_us[nbytes] = time_graph(lambda i: dst.copy_(src), calls=10, reps=10, settle_ms=SETTLE_MS)
     return _copy_us[nbytes]
 
 
