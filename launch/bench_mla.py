@@ -22,8 +22,9 @@ against the float64 reference on a small case at the start), ``copy`` (a device-
 number of bytes: its time and the bytes read / that time).
 
 Everything is timed as medians of CUDA-graph replays (plan + decode in one graph; FlashMLA's metadata and combine
-kernels included), each after ``SETTLE_MS`` of its own replays: an H200 running these kernels is power-limited, and
-one timed right after a lighter row reads up to 10% faster than it sustains (see timing.time_graph). ``--sweep`` times kernel configurations (tokens per tile, warps, stages, programs per SM) per
+kernels included), each after ``SETTLE_MS`` of its own replays, ours and FlashMLA in turn ``--rounds`` times per
+row (the row's time: their median): an H200 running these kernels is power-limited, and one timed right after a
+lighter row reads up to 10% faster than it sustains (see timing.time_graph). ``--sweep`` times kernel configurations (tokens per tile, warps, stages, programs per SM) per
 (h_q, s_q) class at s_k 8192, page 64, for ``flashinfer_moe/mla/decode.py``'s ``CONFIGS`` (``--tma``: those of the
 TMA tile loads, ``TMA_CONFIGS``). ``--paths triton,new`` times each row twice: ``new`` the default dispatch (on
 Hopper the CUDA kernel for bf16/fp16 pages), ``triton`` the Triton kernel (TMA tile loads where the cache's layout
@@ -38,6 +39,7 @@ import contextlib
 import itertools
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -275,9 +277,17 @@ def bench(args) -> list[dict]:
                 copy_us = time_copy(cache.bytes)
                 for heads, s_q in itertools.product(heads_list, s_q_list):
                     q_nope, q_pe = queries(heads, s_q)
-                    path_us = {path: time_ours(cache, q_nope, q_pe, path=path) for path in paths}
+                    # Ours and FlashMLA in turn, ``--rounds`` times, medians: the board's sustained clocks drift.
+                    samples: dict[str, list[float]] = {}
+                    for _ in range(args.rounds):
+                        for path in paths:
+                            samples.setdefault(path, []).append(time_ours(cache, q_nope, q_pe, path=path))
+                        f_round = time_flashmla(fm, cache, q_nope, q_pe)
+                        if f_round is not None:
+                            samples.setdefault("flashmla", []).append(f_round)
+                    path_us = {path: statistics.median(samples[path]) for path in paths}
                     us = path_us[paths[-1]]
-                    f_us = time_flashmla(fm, cache, q_nope, q_pe)
+                    f_us = statistics.median(samples["flashmla"]) if "flashmla" in samples else None
                     sdpa = time_sdpa(cache, gathered, q_nope, q_pe)
                     s_us = sdpa.get("sdpa_us")
                     flops = 2 * s_q * heads * (576 + 512) * sum(lens)
@@ -294,6 +304,8 @@ def bench(args) -> list[dict]:
                         sdpa_us=s_us,
                         copy_us=copy_us,
                         bytes=cache.bytes,
+                        us_rounds=samples[paths[-1]],
+                        flashmla_us_rounds=samples.get("flashmla"),
                         **{f"{path}_us": t for path, t in path_us.items() if len(paths) > 1},
                         **{k: v for k, v in sdpa.items() if k != "sdpa_us"},
                     )
@@ -412,6 +424,7 @@ def main() -> int:
     parser.add_argument("--s-q", default="1,2")
     parser.add_argument("--sk", default="4096,8192,16384,varlen", help="s_k values (and/or varlen)")
     parser.add_argument("--quick", action="store_true", help="s_k 4096 and varlen only")
+    parser.add_argument("--rounds", type=int, default=3, help="timings per row of ours and FlashMLA, in turn (median)")
     parser.add_argument("--no-flashmla", action="store_true")
     parser.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--sweep", action="store_true", help="time kernel configurations instead of the grid")
