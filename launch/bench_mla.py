@@ -22,14 +22,15 @@ against the float64 reference on a small case at the start), ``copy`` (a device-
 number of bytes: its time and the bytes read / that time).
 
 Everything is timed as medians of CUDA-graph replays (plan + decode in one graph; FlashMLA's metadata and combine
-kernels included), each after ``SETTLE_MS`` of its own replays, ours and FlashMLA in turn ``--rounds`` times per
-row (the row's time: their median): an H200 running these kernels is power-limited, and one timed right after a
-lighter row reads up to 10% faster than it sustains (see timing.time_graph). ``--sweep`` times kernel
-configurations (tokens per tile, warps, stages, programs per SM) per (h_q, s_q) class at s_k 8192, page 64, for ``flashinfer_moe/mla/decode.py``'s ``CONFIGS`` (``--tma``: those of the
-TMA tile loads, ``TMA_CONFIGS``). ``--paths triton,new`` times each row twice: ``new`` the default dispatch (on
-Hopper the CUDA kernel for bf16/fp16 pages), ``triton`` the Triton kernel (TMA tile loads where the cache's layout
-allows them), ``old`` Triton with the gathered pointer loads forced; ``fp8_bf16`` the default with FP8 pages
-widened to bf16 (``FP8_F16_MATH`` off) instead of fp16.
+kernels included), each after ``SETTLE_MS`` of its own replays, ours and FlashMLA in turn ``--rounds`` times per row
+(the row's time: their median): an H200 running these kernels is power-limited, and one timed right after a lighter
+row reads up to 10% faster than it sustains (see timing.time_graph). ``--sweep`` times kernel configurations (tokens
+per tile, warps, stages, programs per SM) per (h_q, s_q) class at s_k 8192, page 64, for
+``flashinfer_moe/mla/decode.py``'s ``CONFIGS`` (``--tma``: those of the TMA tile loads, ``TMA_CONFIGS``). ``--paths
+triton,new`` times each row twice: ``new`` the default dispatch (on Hopper the CUDA kernel for bf16/fp16 pages),
+``triton`` the Triton kernel (TMA tile loads where the cache's layout allows them), ``old`` Triton with the gathered
+pointer loads forced; ``fp8_bf16`` the default with FP8 pages widened to bf16 (``FP8_F16_MATH`` off) instead of
+fp16.
 """
 
 from __future__ import annotations
