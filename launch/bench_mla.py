@@ -24,7 +24,7 @@ number of bytes: its time and the bytes read / that time).
 Everything is timed as medians of CUDA-graph replays (plan + decode in one graph; FlashMLA's metadata and combine
 kernels included), each after ``SETTLE_MS`` of its own replays, ours and FlashMLA in turn ``--rounds`` times per row
 (the row's time: their median): an H200 running these kernels is power-limited, and one timed right after a lighter
-row reads up to 10% faster than it sustains (see timing.time_graph). ``--sweep`` times kernel configurations (tokens
+row reads up to 16% faster than it sustains (see timing.time_graph). ``--sweep`` times kernel configurations (tokens
 per tile, warps, stages, programs per SM) per (h_q, s_q) class at s_k 8192, page 64, for
 ``flashinfer_moe/mla/decode.py``'s ``CONFIGS`` (``--tma``: those of the TMA tile loads, ``TMA_CONFIGS``). ``--paths
 triton,new`` times each row twice: ``new`` the default dispatch (on Hopper the CUDA kernel for bf16/fp16 pages),
@@ -62,7 +62,7 @@ FP8 = torch.float8_e4m3fn
 DEV = "cuda"
 BATCH = 128
 SM_SCALE = 192**-0.5
-SETTLE_MS = 200.0  # replays before each timing, so that every row is timed in its own sustained power state
+SETTLE_MS = 200.0  # replays before each timing, so that every row is timed in its own sustained state
 BACKEND_ENV = "FLASHINFER_MOE_MLA_BACKEND"
 FP8_SCALE = 1.0 / 64
 
@@ -442,6 +442,8 @@ def main() -> int:
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     rows = sweep(args) if args.sweep else bench(args)
     if args.markdown and not args.sweep:
         args.markdown.write_text(markdown(rows))
