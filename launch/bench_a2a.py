@@ -9,7 +9,9 @@ per-128 scales; combine returns bf16 rows. 1, 128 and 512 tokens per rank run in
 high-throughput mode. Each time is the median over ranks' medians of CUDA-event timings of eager calls, with
 a barrier before each call (so a call never overlaps the previous one on another rank); the P2P low-latency rows
 also time dispatch + combine captured in one CUDA graph (how decode runs them), with no host work in the time.
-Bandwidth counts the bytes a rank sends to other ranks (its own rows excluded). Nothing is asserted: the goals are
+Those per-call times include the ranks' skew after each barrier; the "back to back" columns time 10 calls after
+one barrier (wall time per call, host work included: what a loop of eager calls costs) and 10 round trips
+captured in one graph (per trip). Bandwidth counts the bytes a rank sends to other ranks (its own rows excluded). Nothing is asserted: the goals are
 printed.
 """
 
@@ -20,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,6 +38,7 @@ from flashinfer_moe.comm import MoEAllToAll  # noqa: E402
 
 NUM_EXPERTS, TOP_K, HIDDEN = 256, 8, 7168
 LOW_LATENCY_MAX = 512
+STEADY_CALLS, STEADY_REPS = 10, 5  # the back-to-back timings: calls per timing, timings
 
 
 def _time_us(fn, reps: int) -> float:
@@ -54,13 +58,32 @@ def _time_us(fn, reps: int) -> float:
     return float(mine)
 
 
-def _captured(fn):
-    """``fn`` captured once in a CUDA graph (after an eager warm-up call): returns the graph's replay."""
+def _steady_us(fn, calls: int, reps: int) -> float:
+    """Per call, of ``calls`` eager calls back to back after one barrier (the ranks' skew paid once, the host work of
+    every call included): median over ``reps``, then the slowest rank's."""
+    samples = []
+    for i in range(reps + 1):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        if i:
+            samples.append((time.perf_counter() - t0) / calls * 1e6)
+    mine = torch.tensor([statistics.median(samples)], device="cuda")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine)
+
+
+def _captured(fn, calls: int = 1):
+    """``calls`` calls of ``fn`` captured in one CUDA graph (after an eager warm-up call): returns the replay."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     return graph.replay
 
 
@@ -127,7 +150,9 @@ def _bench(tokens: int, backend: str, reps: int) -> dict:
     y = out.hidden_states.to(torch.bfloat16)
     dispatch_us = _time_us(lambda: comm.dispatch(q, ids, w, scales=scales), reps)
     combine_us = _time_us(lambda: comm.combine(y, out.handle), reps)
-    graph_us = None
+    dispatch_steady_us = _steady_us(lambda: comm.dispatch(q, ids, w, scales=scales), STEADY_CALLS, STEADY_REPS)
+    combine_steady_us = _steady_us(lambda: comm.combine(y, out.handle), STEADY_CALLS, STEADY_REPS)
+    graph_us = graph_steady_us = None
     if comm.backend == "p2p" and mode == "low_latency":  # decode runs in CUDA graphs: no host in the time
 
         def round_trip():
@@ -135,6 +160,7 @@ def _bench(tokens: int, backend: str, reps: int) -> dict:
             return comm.combine(got.hidden_states.to(torch.bfloat16), got.handle)
 
         graph_us = _time_us(_captured(round_trip), reps)
+        graph_steady_us = _time_us(_captured(round_trip, STEADY_CALLS), reps) / STEADY_CALLS
     if comm.backend == "p2p":
         comm.check()
     row_bytes = HIDDEN + 4 * scales.shape[1] + 8 * TOP_K
@@ -143,7 +169,9 @@ def _bench(tokens: int, backend: str, reps: int) -> dict:
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)
     dist.all_reduce(back, op=dist.ReduceOp.MAX)
     row = dict(tokens=tokens, mode=mode, backend=comm.backend, dispatch_us=dispatch_us, combine_us=combine_us,
-               round_trip_graph_us=graph_us, dispatch_bytes=int(sent), combine_bytes=int(back),
+               round_trip_graph_us=graph_us, dispatch_steady_us=dispatch_steady_us,
+               combine_steady_us=combine_steady_us, round_trip_graph_steady_us=graph_steady_us,
+               dispatch_bytes=int(sent), combine_bytes=int(back),
                reason=comm.fallback_reason)  # fmt: skip
     comm.close()
     return row
@@ -176,7 +204,8 @@ def main() -> None:
     if rank == 0:
         print(f"# {world} ranks, {torch.cuda.get_device_name()}, H={HIDDEN}, top-{TOP_K} of {NUM_EXPERTS} experts")
         header = ("tokens", "mode", "backend", "dispatch us", "GB/s", "combine us", "GB/s", "graph round trip us",
-                  "NCCL a2a us", "symm_mem us", "NCCL/dispatch", "NCCL/combine")  # fmt: skip
+                  "NCCL a2a us", "symm_mem us", "NCCL/dispatch", "NCCL/combine", "back to back: dispatch us",
+                  "combine us", f"graph of {STEADY_CALLS} round trips, us each")  # fmt: skip
         print(" | ".join(header))
     for tokens in (int(t) for t in args.tokens.split(",")):
         for backend in ("p2p", "nccl"):
@@ -197,7 +226,9 @@ def main() -> None:
                 print(
                     f"{tokens} | {row['mode']} | {row['backend']} | {row['dispatch_us']:.1f} | {d_bw:.0f} | "
                     f"{row['combine_us']:.1f} | {c_bw:.0f} | {trip} | {row['nccl_a2a_us']:.1f} | {symm} | "
-                    f"{row['nccl_a2a_us'] / row['dispatch_us']:.2f}x | {row['nccl_a2a_us'] / row['combine_us']:.2f}x"
+                    f"{row['nccl_a2a_us'] / row['dispatch_us']:.2f}x | {row['nccl_a2a_us'] / row['combine_us']:.2f}x | "
+                    f"{row['dispatch_steady_us']:.1f} | {row['combine_steady_us']:.1f} | "
+                    + (f"{g:.1f}" if (g := row["round_trip_graph_steady_us"]) is not None else "")
                 )
     if rank == 0:
         print("# goals at 4 ranks: low-latency dispatch <= 25 us and combine <= 35 us at 128 tokens (>= 3x NCCL); "
