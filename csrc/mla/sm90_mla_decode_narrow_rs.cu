@@ -550,13 +550,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
 
   // 224 registers for the output warpgroup (the output and two steps' fragments) and for the scoring one (232 at 32
   // rows: four chains of scores [64, 64] and the queries' fragments), 56 for the copying one (48 at 32 rows): the
-  // 168 x 384 the CTA starts with.
+  // 168 x 384 the CTA starts with. setmaxnreg.inc waits until the other warpgroups have given the registers back, so
+  // budgets adding up to more would hang.
+  constexpr int kRegsScore = N == 32 ? 232 : 224, kRegsOut = 224, kRegsCopy = N == 32 ? 48 : 56;
+  constexpr int kLaunchRegs = (65536 / kThreads) & ~7;  // a thread's registers under __launch_bounds__(kThreads, 1)
+  static_assert(kRegsScore + kRegsOut + kRegsCopy <= 3 * kLaunchRegs, "past the CTA's registers at launch");
   if (wg == kCopy) {
-    if constexpr (N == 32) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 48;");
-    } else {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-    }
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegsCopy));
     if (p.tma && t != 0) return;
     // The copying warpgroup runs ahead through the pieces, bounded by the free buffers: by TMA (one thread; a tile's
     // 64 tokens lie in one page, and rows past the sequence's end come as the page holds them), or by cp.async token
@@ -591,17 +591,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
   // Each role walks the pieces on its own (ptxas gives a region one register budget, so the roles' loops are apart);
   // tiles_done and pieces keep the barriers' phases.
   if (wg == kScore) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegsScore));
     if constexpr (N == 32) {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
       score_rows<L>(p, sc, kv_scale, s_raw, s_p, s_alpha, s_inv, s_moved, full, pfull, pempty, warp, lane);
     } else {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
       score_cols<L>(p, sc, kv_scale, s_q, s_raw, s_p, s_alpha, s_red, s_sums, s_inv, s_rinv, s_moved, full, pfull,
                     pempty, warp, lane);
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegsOut));
   uint32_t tiles_done = 0, pieces = 0;
   uint32_t ps = 0, pph = 0;  // as the scoring warpgroup's
   for (int cursor = sc.begin, b = sc.first; cursor < sc.end; ++b) {
