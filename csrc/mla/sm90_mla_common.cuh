@@ -134,6 +134,19 @@ __device__ __forceinline__ Sched sched_of(const Params& p, int prog) {
   return s;
 }
 
+// The score chains' sum, once their products are done: the chains' accumulators fenced, then added in chain order.
+template <int C, int M>
+__device__ __forceinline__ void sum_chains(float (&part)[C][M], float (&sc)[M]) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) fence_regs(part[c]);
+#pragma unroll
+  for (int e = 0; e < M; ++e) {
+    sc[e] = part[0][e];
+#pragma unroll
+    for (int c = 1; c < C; ++c) sc[e] += part[c][e];
+  }
+}
+
 // One warpgroup's named barrier (the narrow kernels' warpgroups sync apart).
 __device__ __forceinline__ void wg_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 

@@ -435,15 +435,8 @@ __device__ __forceinline__ void score_cols(const Params& p, const Sched& sc, flo
       }
       wgmma_commit();
       wgmma_wait<0>();
-#pragma unroll
-      for (int c = 0; c < kChains; ++c) fence_regs(part[c]);
       float sc[NB / 2];
-#pragma unroll
-      for (int e = 0; e < NB / 2; ++e) {
-        sc[e] = part[0][e];
-#pragma unroll
-        for (int c = 1; c < kChains; ++c) sc[e] += part[c][e];
-      }
+      sum_chains(part, sc);
 
       // Online softmax along the tokens: a query row's 64 scores lie in the 8 lanes of one q in each warp.
       const int t0 = tok_lo + i * kTile;
