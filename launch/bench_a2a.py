@@ -41,6 +41,13 @@ LOW_LATENCY_MAX = 512
 STEADY_CALLS, STEADY_REPS = 10, 5  # the back-to-back timings: calls per timing, timings
 
 
+def _slowest_median(samples: list[float]) -> float:
+    """This rank's median, then the slowest rank's (a collective is as slow as its last rank)."""
+    mine = torch.tensor([statistics.median(samples)], device="cuda")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine)
+
+
 def _time_us(fn, reps: int) -> float:
     """Median over this rank's calls, then the slowest rank's median (a collective is as slow as its last rank)."""
     samples = []
@@ -53,9 +60,7 @@ def _time_us(fn, reps: int) -> float:
         end.synchronize()
         if i >= 3:
             samples.append(start.elapsed_time(end) * 1e3)
-    mine = torch.tensor([statistics.median(samples)], device="cuda")
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return float(mine)
+    return _slowest_median(samples)
 
 
 def _steady_us(fn, calls: int, reps: int) -> float:
@@ -71,9 +76,7 @@ def _steady_us(fn, calls: int, reps: int) -> float:
         torch.cuda.synchronize()
         if i:
             samples.append((time.perf_counter() - t0) / calls * 1e6)
-    mine = torch.tensor([statistics.median(samples)], device="cuda")
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return float(mine)
+    return _slowest_median(samples)
 
 
 def _captured(fn, calls: int = 1):
