@@ -148,13 +148,14 @@ def test_fp8_narrow_without_images_tma_equals_cp_async(rng, monkeypatch, page, h
     _assert_tma_equals_cp_async(monkeypatch, case, seed)
 
 
-def _rising_case(g, heads, s_q, page):
-    """An FP8 case whose scores jump late in each sequence: every token's latent is 0.25 sign(u) (plus noise 0.05)
+def _rising_case(g, heads, s_q, page, cache_dtype=FP8):
+    """A case whose scores jump late in each sequence: every token's latent is 0.25 sign(u) (plus noise 0.05)
     and the last one that all new tokens see 0.5 sign(u), with head h's queries f_h u (f_h from 0.7 to 1.3), so the
     jump is about 7-14 (log2 of the softmax's factor) above the running maximum depending on the head: below the
-    kernels' slack of 8 (P^T above 1) and past it (the maxima move while the earlier tokens still carry most of the
+    kernels' slack of 8 (P above 1) and past it (the maxima move while the earlier tokens still carry most of the
     weight)."""
-    case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, FP8, device="cpu")
+    case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, cache_dtype, device="cpu")
+    case["kv_scale"] = case["kv_scale"] or 1.0
     kv = case["kv_cache"].double()
     u = torch.randn(512, generator=g, dtype=torch.float64)
     table = case["block_table"]
@@ -169,7 +170,7 @@ def _rising_case(g, heads, s_q, page):
     f = torch.linspace(0.7, 1.3, heads, dtype=torch.float64)[None, None, :, None]
     q = f * u + 0.02 * torch.randn(len(MIX), s_q, heads, 512, generator=g, dtype=torch.float64)
     case.update(
-        kv_cache=kv.to(FP8).to(DEV),
+        kv_cache=kv.to(cache_dtype).to(DEV),
         q_nope=q.to(torch.bfloat16).to(DEV),
         q_pe=(0.1 * case["q_pe"]).to(DEV),
         block_table=table.to(DEV),
@@ -191,6 +192,21 @@ def test_fp8_narrow_rising_maxima(rng, monkeypatch, page, heads, s_q, num_sms, q
     _backend(monkeypatch, "auto", case)
     got = run_decode(case, SM_SCALE, num_sms=num_sms)
     assert_close(*got, *reference(case, SM_SCALE, device=DEV), q_dtype, f"seed {seed}", lse_tol=lse_tol(case))
+
+
+@pytest.mark.parametrize("page", [1, 64])
+@pytest.mark.parametrize("heads, s_q", [(64, 1), (33, 3), (128, 1)])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("num_sms", [None, 3])
+def test_rising_maxima_64_rows(rng, page, heads, s_q, cache_dtype, num_sms):
+    """The 64-row kernel (bf16 pages; FP8 pages with its producer) where a sequence's last scores jump above all
+    before by less and by more than the running maxima's slack: against float64."""
+    seed, g = rng
+    case = _rising_case(g, heads, s_q, page, cache_dtype)
+    if cache_dtype != FP8:
+        case["kv_scale"] = None
+    got = run_decode(case, SM_SCALE, num_sms=num_sms)
+    assert_close(*got, *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"seed {seed}", lse_tol=lse_tol(case))
 
 
 # Rows (heads x s_q) across the kernels' bounds: FP8 up to 32 rows on the narrow kernel, more on the 64-row one with

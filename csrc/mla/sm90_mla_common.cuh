@@ -29,6 +29,7 @@ constexpr int kBlock = 8192;               // bytes of one 64-column block of 64
 constexpr int kImage = 9 * kBlock;         // Q or one stage
 constexpr int kRaw = kTile * kChunks * 8;  // a tile's FP8 rows, [64][576] bytes
 constexpr int kUnit = 64, kOverhead = 2;   // the schedule's cost model (flashinfer_moe/mla/plan_kernel.py)
+constexpr float kSlack = 8.f;              // log2 of how far P may exceed 1 before the running maxima move
 
 struct Params {
   // TMA path only: the latent and rope pages as 3-D tensors {column, token in page, page}, boxes of 64 columns

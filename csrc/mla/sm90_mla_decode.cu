@@ -154,6 +154,17 @@ __device__ __forceinline__ void begin_piece(const Params& p, const Piece& pc, co
   cp_async_arrive(qbar);
 }
 
+// A consumer's output rows r0 (a0) and r1 (a1) into the maxima's new frame.
+__device__ __forceinline__ void rescale(float (&o)[128], float a0, float a1) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    o[4 * j] *= a0;
+    o[4 * j + 1] *= a0;
+    o[4 * j + 2] *= a1;
+    o[4 * j + 3] *= a1;
+  }
+}
+
 // QF16: fp16 queries and output (else bf16). FP8: E4M3 pages, widened to fp16 in shared memory, the products in
 // fp16 (queries scaled into fp16 first). p.tma: the tiles by TMA boxes (bf16/fp16) or bulk copies (FP8 with WS),
 // else by cp.async. WS: a third warpgroup, the producer, makes the copies (and widens FP8 tiles, clears TMA tails), so
@@ -311,11 +322,18 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
           mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
           mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
         }
-        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-        const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
-        const float a0 = exp2f(m0 - u0), a1 = exp2f(m1 - u1);
-        m0 = n0;
-        m1 = n1;
+        // Lazy maxima, decided per warp: they move only where a score passes them by more than 2^kSlack (P then
+        // stays below 2^kSlack, far inside bf16 and fp16), so that most tiles leave the output unscaled.
+        const bool move = __any_sync(0xffffffffu, mx0 > m0 + kSlack || mx1 > m1 + kSlack);
+        float a0 = 1.f, a1 = 1.f;
+        if (move) {
+          const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+          a0 = exp2f(m0 - (n0 == -INFINITY ? 0.f : n0));
+          a1 = exp2f(m1 - (n1 == -INFINITY ? 0.f : n1));
+          m0 = n0;
+          m1 = n1;
+        }
+        const float u0 = m0 == -INFINITY ? 0.f : m0, u1 = m1 == -INFINITY ? 0.f : m1;
         float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -344,13 +362,7 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
         fence_async_smem();  // P's stores -> both warpgroups' wgmma reads
         named_arrive(kBarPReady);
 
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[4 * j] *= a0;
-          o[4 * j + 1] *= a0;
-          o[4 * j + 2] *= a1;
-          o[4 * j + 3] *= a1;
-        }
+        if (move) rescale(o, a0, a1);
         const uint64_t dp = desc_k(s_p), dv = desc_mn(stage);
         wgmma_fence();
 #pragma unroll
@@ -384,13 +396,7 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
         const uint32_t stage = base + (1 + s) * kImage;
         named_sync(kBarPReady);
         const float a0 = s_alpha[r0], a1 = s_alpha[r1];
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[4 * j] *= a0;
-          o[4 * j + 1] *= a0;
-          o[4 * j + 2] *= a1;
-          o[4 * j + 3] *= a1;
-        }
+        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) rescale(o, a0, a1);
         const uint64_t dp = desc_k(s_p), dv = desc_mn(stage + 4 * kBlock);
         wgmma_fence();
 #pragma unroll

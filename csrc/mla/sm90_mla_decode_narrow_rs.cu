@@ -27,7 +27,6 @@ constexpr int kTileBytes = 5 * kBlock;                // [5 column blocks][64 ro
 constexpr int kRopeCol = 448;                         // the fifth block's first column: its bytes 64-127 are the rope
 constexpr int kBarMax = 6, kBarQ = 8, kBarOut = 10;   // named barriers
 constexpr int kBarTail = 11;                          // within the output warpgroup: a partial tile's tail cleared
-constexpr float kSlack = 8.f;                         // log2 of how far P^T may exceed 1 before the maxima move
 constexpr int kScore = 0, kCopy = 2, kThreads = 384;  // the warpgroups (1: the output)
 
 // Q's FP8 parts [5 blocks][2N rows][128 bytes] (16 rows; at 32 they are the scoring warpgroup's registers), the tile
