@@ -359,13 +359,15 @@ def mla_decode(
 
 
 def mla_decode_split_plan(
-    seq_lens: torch.Tensor, num_programs: int, tokens_per_unit: int, overhead_units: int
+    seq_lens: torch.Tensor, num_programs: int, tokens_per_unit: int, overhead_units: int, snap_units: int = 0
 ) -> dict[str, torch.Tensor]:
     """The split-KV schedule that ``mla_decode_plan`` computes on the device, in plain torch.
 
     Sequences' costs (``ceil(L / tokens_per_unit) + overhead_units`` units each) are laid end to end and cut
     into ``num_programs`` chunks of ``chunk`` units; a sequence is split where a chunk boundary falls inside
-    it, and only split sequences take slots of the partial-result workspace.
+    it, and only split sequences take slots of the partial-result workspace. ``chunk`` is the balanced
+    ``ceil(total / num_programs)``, or, where every sequence costs the same, ``ceil(B / num_programs)`` whole
+    sequences if that is at most ``snap_units`` longer (no sequence split).
 
     Returns:
         int64 tensors: ``chunk`` and ``total`` (0-D), ``starts``/``ends`` `[B]` (cost units), ``splits`` `[B]`,
@@ -378,6 +380,9 @@ def mla_decode_split_plan(
     starts = ends - cost
     total = ends[-1] if ends.numel() else torch.zeros((), dtype=torch.int64, device=lens.device)
     chunk = torch.clamp((total + num_programs - 1) // num_programs, min=1)
+    if cost.numel() and bool(cost.min() == cost.max()):
+        whole = -(-cost.numel() // num_programs) * cost[0]
+        chunk = torch.where(whole - chunk <= snap_units, whole, chunk)
     splits = (ends - 1) // chunk - starts // chunk + 1
     taken = torch.where(splits > 1, splits, 0)
     slot = torch.cumsum(taken, 0) - taken

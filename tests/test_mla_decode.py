@@ -189,12 +189,25 @@ def interpreted(monkeypatch):
 
 @pytest.mark.parametrize(
     "lens, programs",
-    [([1, 63, 64, 65, 700], 5), ([0], 1), ([0, 0, 3], 4), ([5000], 7), ([64] * 37, 6), ([1, 2, 3], 40)],
+    [
+        ([1, 63, 64, 65, 700], 5),
+        ([0], 1),
+        ([0, 0, 3], 4),
+        ([5000], 7),
+        ([64] * 37, 6),
+        ([1, 2, 3], 40),
+        ([4096] * 128, 132),
+        ([4096] * 100, 132),
+        ([4096] * 127 + [4097], 132),
+        ([16384] * 128, 132),
+        ([32768] * 128, 132),
+        ([4096] * 256, 132),
+    ],
 )
 def test_schedule_covers_every_token_once(interpreted, lens, programs):
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     plan = D.make_plan(seq_lens, 1, 4, programs, 16)  # the Triton plan kernel
-    want = ref.mla_decode_split_plan(seq_lens, programs, D.UNIT, D.OVERHEAD)
+    want = ref.mla_decode_split_plan(seq_lens, programs, D.UNIT, D.OVERHEAD, D.SNAP)
     batch = len(lens)
     assert plan.sched[0] == want["chunk"] and plan.sched[1] == want["total"]
     for i, key in enumerate(("starts", "ends", "splits", "slot")):
@@ -208,6 +221,27 @@ def test_schedule_covers_every_token_once(interpreted, lens, programs):
         assert len(mine) == plan.sched[2 + 2 * batch + b], (b, mine)  # every piece of a split sequence is written
         covered = [t for lo, hi in mine for t in range(lo, hi)]
         assert covered == list(range(max(n, 0))), (b, mine)
+
+
+@pytest.mark.parametrize(
+    "lens, programs, chunk",
+    [
+        ([4096] * 128, 132, 66),  # whole sequences: 66 units against the balanced 64
+        ([4096] * 256, 132, 132),  # two a program: 132 against 128
+        ([16384] * 128, 132, 258),  # 258 against 250: SNAP's bound
+        ([32768] * 128, 132, 499),  # 514 against 499: past it, balanced
+        ([4096] * 100, 132, 50),  # whole sequences would leave 32 programs idle
+        ([4096] * 127 + [4097], 132, 65),  # costs differ: balanced
+        ([64] * 37, 6, 21),  # 7 of 3 units a program against 19
+    ],
+)
+def test_schedule_takes_whole_equal_sequences(lens, programs, chunk):
+    """Equal sequences go whole to programs where that costs at most SNAP units more than balanced chunks: no
+    sequence is split then (the reference schedule; the kernel's equals it above)."""
+    s = ref.mla_decode_split_plan(torch.tensor(lens), programs, D.UNIT, D.OVERHEAD, D.SNAP)
+    assert s["chunk"] == chunk
+    whole = s["chunk"] % (s["ends"][0] - s["starts"][0]) == 0 and len(set(lens)) == 1
+    assert bool((s["splits"] == 1).all()) == bool(whole), s["splits"].tolist()
 
 
 # -------------------------------------------------------------------------------------- kernels, interpreted

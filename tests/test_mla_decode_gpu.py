@@ -209,6 +209,20 @@ def test_rising_maxima_64_rows(rng, page, heads, s_q, cache_dtype, num_sms):
     assert_close(*got, *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"seed {seed}", lse_tol=lse_tol(case))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("heads, s_q", [(16, 1), (16, 2), (32, 1), (64, 1), (128, 1)])
+def test_equal_lengths_go_whole(rng, cache_dtype, heads, s_q):
+    """Equal lengths, as many sequences as programs (three programs of 3, 3 and 1 sequences at 128 rows): the plan
+    takes them whole, and every kernel (narrow FP8, 64-row) against float64."""
+    seed, g = rng
+    lens, sms = [700] * 7, 7
+    case = make_case(g, lens, s_q, heads, 64, torch.bfloat16, cache_dtype, device=DEV)
+    plan = D.mla_decode_plan(case["seq_lens"], s_q, heads, num_sms=sms, kv_dtype=cache_dtype)
+    assert plan.sched[2 + 2 * len(lens) : 2 + 3 * len(lens)].tolist() == [1] * len(lens), "a sequence was split"
+    got = run_decode(case, SM_SCALE, num_sms=sms)
+    assert_close(*got, *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"seed {seed}", lse_tol=lse_tol(case))
+
+
 # Rows (heads x s_q) across the kernels' bounds: FP8 up to 32 rows on the narrow kernel, more on the 64-row one with
 # its producer warpgroup (64: one full row block, 99: a partial second one); bf16 on the 64-row one throughout.
 @pytest.mark.parametrize("heads, s_q", [(128, 1), (128, 2), (64, 2), (32, 2), (33, 3), (32, 1), (16, 8), (3, 5)])

@@ -37,7 +37,7 @@ from .decode_configs import CONFIGS, TMA_CONFIGS, tma_layout
 
 __all__ = ["MLADecodePlan", "mla_decode", "mla_decode_plan"]
 
-UNIT, OVERHEAD = 64, 2  # the schedule's cost model (plan_kernel.py)
+UNIT, OVERHEAD, SNAP = 64, 2, 8  # the schedule's cost model (plan_kernel.py)
 CPU_NUM_SMS = 8  # the schedule's program count where there are no SMs (the CPU path ignores it)
 
 LIB.define("mla_decode_plan_(Tensor seq_lens, Tensor(a!) sched, int num_programs) -> ()")
@@ -56,7 +56,7 @@ def _on(t: torch.Tensor):
 
 
 def _plan_cpu(seq_lens, sched, num_programs):
-    s = ref.mla_decode_split_plan(seq_lens, num_programs, UNIT, OVERHEAD)
+    s = ref.mla_decode_split_plan(seq_lens, num_programs, UNIT, OVERHEAD, SNAP)
     batch = seq_lens.shape[0]
     sched[0], sched[1] = s["chunk"], s["total"]
     for i, key in enumerate(("starts", "ends", "splits", "slot")):
@@ -263,7 +263,8 @@ def mla_decode_plan(
     partial results to.
 
     Sequences' costs are balanced over a fixed number of programs: long sequences are split, many short ones
-    share a program. The sizes depend only on ``B``, ``s_q`` and ``num_heads``, so a graph that captured this
+    share a program; equal sequences go whole to the programs where that is at most ``SNAP`` schedule units (of
+    64 tokens) longer than an even split, so that none is split and merged. The sizes depend only on ``B``, ``s_q`` and ``num_heads``, so a graph that captured this
     call and :func:`mla_decode` replays with new ``seq_lens`` values.
 
     Args:

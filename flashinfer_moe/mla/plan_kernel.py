@@ -5,7 +5,12 @@ for the per-piece fixed work: loading the queries, the epilogue, the combine). T
 and cut into ``num_programs`` chunks of equal size; attention program ``p`` walks chunk ``p``, which may end
 one sequence and start the next ones. A sequence that a chunk boundary cuts is *split*: each piece writes a
 normalized partial output and its LSE into the workspace slots the schedule gave the sequence, and the
-combine kernel merges them; an unsplit sequence's program writes ``out`` directly. The schedule depends only
+combine kernel merges them; an unsplit sequence's program writes ``out`` directly.
+
+Where every sequence costs the same, a chunk of whole sequences (``ceil(B / num_programs)`` of them) is taken
+instead when it is at most ``SNAP`` units longer than the balanced chunk: then no sequence is split, and the
+split's own cost (the second piece's query loads and epilogue, the partial results' round trip, the combine)
+is gone. On an H200 that made batch 128 at 4096 tokens on 132 SMs 1.05-1.09x faster (66 units against 64). The schedule depends only
 on ``seq_lens`` values, which the plan kernel reads on the device, so the sizes of everything (grid,
 workspace) are fixed by the batch and ``num_programs`` and a CUDA graph replays with new lengths.
 
@@ -24,9 +29,11 @@ import triton.language as tl
 
 UNIT = 64  # tokens per schedule unit; every BLOCK_N divides it
 OVERHEAD = 2  # schedule units charged per sequence piece
+SNAP = 8  # how many units longer than the balanced chunk a chunk of whole equal sequences may be
 
 _UNIT = tl.constexpr(UNIT)
 _OVERHEAD = tl.constexpr(OVERHEAD)
+_SNAP = tl.constexpr(SNAP)
 
 
 def sched_size(batch: int, num_programs: int) -> int:
@@ -40,11 +47,18 @@ def sched_size(batch: int, num_programs: int) -> int:
 def _plan_kernel(lens_ptr, sched_ptr, B, P, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     offs = tl.arange(0, BLOCK_B)
     total = 0
+    cmin = 2**30
+    cmax = 0
     for b0 in range(0, B, BLOCK_B):
         idx = b0 + offs
         lens = tl.maximum(tl.load(lens_ptr + idx, mask=idx < B, other=0), 0)
-        total += tl.sum(tl.where(idx < B, (lens + _UNIT - 1) // _UNIT + _OVERHEAD, 0), 0)
+        cost = (lens + _UNIT - 1) // _UNIT + _OVERHEAD
+        total += tl.sum(tl.where(idx < B, cost, 0), 0)
+        cmin = tl.minimum(cmin, tl.min(tl.where(idx < B, cost, 2**30), 0))
+        cmax = tl.maximum(cmax, tl.max(tl.where(idx < B, cost, 0), 0))
     chunk = tl.maximum((total + P - 1) // P, 1)
+    whole = (B + P - 1) // P * cmax  # ceil(B / P) whole sequences a chunk, where all cost the same
+    chunk = tl.where((cmin == cmax) & (whole - chunk <= _SNAP), whole, chunk)
     tl.store(sched_ptr, chunk)
     tl.store(sched_ptr + 1, total)
     starts_ptr = sched_ptr + 2
