@@ -264,8 +264,9 @@ def mla_decode_plan(
 
     Sequences' costs are balanced over a fixed number of programs: long sequences are split, many short ones
     share a program; equal sequences go whole to the programs where that is at most ``SNAP`` schedule units (of
-    64 tokens) longer than an even split, so that none is split and merged. The sizes depend only on ``B``, ``s_q`` and ``num_heads``, so a graph that captured this
-    call and :func:`mla_decode` replays with new ``seq_lens`` values.
+    64 tokens) longer than an even split, so that none is split and merged. The sizes depend only on ``B``,
+    ``s_q`` and ``num_heads``, so a graph that captured this call and :func:`mla_decode` replays with new
+    ``seq_lens`` values.
 
     Args:
         seq_lens: `[B]` int32 cached tokens per sequence (the new ones included).

@@ -10,9 +10,11 @@ combine kernel merges them; an unsplit sequence's program writes ``out`` directl
 Where every sequence costs the same, a chunk of whole sequences (``ceil(B / num_programs)`` of them) is taken
 instead when it is at most ``SNAP`` units longer than the balanced chunk: then no sequence is split, and the
 split's own cost (the second piece's query loads and epilogue, the partial results' round trip, the combine)
-is gone. On an H200 that made batch 128 at 4096 tokens on 132 SMs 1.05-1.09x faster (66 units against 64). The schedule depends only
-on ``seq_lens`` values, which the plan kernel reads on the device, so the sizes of everything (grid,
-workspace) are fixed by the batch and ``num_programs`` and a CUDA graph replays with new lengths.
+is gone. On an H200 that made batch 128 at 4096 tokens on 132 SMs 1.05-1.09x faster (66 units against 64).
+
+The schedule depends only on ``seq_lens`` values, which the plan kernel reads on the device, so the sizes of
+everything (grid, workspace) are fixed by the batch and ``num_programs`` and a CUDA graph replays with new
+lengths.
 
 ``sched`` (int32) layout: ``[chunk, total, starts[B], ends[B], splits[B], slot[B], first_seq[num_programs]]``.
 
