@@ -11,8 +11,8 @@ a barrier before each call (so a call never overlaps the previous one on another
 also time dispatch + combine captured in one CUDA graph (how decode runs them), with no host work in the time.
 Those per-call times include the ranks' skew after each barrier; the "back to back" columns time 10 calls after
 one barrier (wall time per call, host work included: what a loop of eager calls costs) and 10 round trips
-captured in one graph (per trip). Bandwidth counts the bytes a rank sends to other ranks (its own rows excluded). Nothing is asserted: the goals are
-printed.
+captured in one graph (per trip). Bandwidth counts the bytes a rank sends to other ranks (its own rows
+excluded). Nothing is asserted: the goals are printed.
 """
 
 from __future__ import annotations
@@ -151,15 +151,21 @@ def _bench(tokens: int, backend: str, reps: int) -> dict:
     q, scales, ids, w = _inputs(tokens, gen)
     out = comm.dispatch(q, ids, w, scales=scales)
     y = out.hidden_states.to(torch.bfloat16)
-    dispatch_us = _time_us(lambda: comm.dispatch(q, ids, w, scales=scales), reps)
-    combine_us = _time_us(lambda: comm.combine(y, out.handle), reps)
-    dispatch_steady_us = _steady_us(lambda: comm.dispatch(q, ids, w, scales=scales), STEADY_CALLS, STEADY_REPS)
-    combine_steady_us = _steady_us(lambda: comm.combine(y, out.handle), STEADY_CALLS, STEADY_REPS)
+
+    def dispatch():
+        return comm.dispatch(q, ids, w, scales=scales)
+
+    def combine():
+        return comm.combine(y, out.handle)
+
+    dispatch_us, combine_us = _time_us(dispatch, reps), _time_us(combine, reps)
+    dispatch_steady_us = _steady_us(dispatch, STEADY_CALLS, STEADY_REPS)
+    combine_steady_us = _steady_us(combine, STEADY_CALLS, STEADY_REPS)
     graph_us = graph_steady_us = None
     if comm.backend == "p2p" and mode == "low_latency":  # decode runs in CUDA graphs: no host in the time
 
         def round_trip():
-            got = comm.dispatch(q, ids, w, scales=scales)
+            got = dispatch()
             return comm.combine(got.hidden_states.to(torch.bfloat16), got.handle)
 
         graph_us = _time_us(_captured(round_trip), reps)
