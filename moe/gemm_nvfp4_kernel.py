@@ -275,6 +275,9 @@ def grouped_gemm_nvfp4_kernel(
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
 
+    # Without it the accumulators' zeros sit on a path around the loop (K = 0), and for some tile configs and
+    # expert counts ptxas then serialized every wgmma of the loop (C7515; 1.25x slower at prefill).
+    tl.assume(K > 0)
     expert, row0, rows = _tile_of(pid_m, counts_ptr, offsets_ptr, E, capacity, MASKED, BLOCK_M, BLOCK_E)
     if expert >= E:
         return
@@ -311,14 +314,19 @@ def grouped_gemm_nvfp4_kernel(
         wb = w_desc.load([w_row, k0 // K_PER_W])
         s_ptrs += GROUPS_K
         ws_next = _load_scales(s_ptrs, offs_g, K - k0 - BLOCK_K)
-        acc = _product(a, expand_nvfp4(wb, ws, BLOCK_N, BLOCK_K, dtype, EXPAND, KPERM, SPLIT), acc, SWAP_AB)
+        wv = expand_nvfp4(wb, ws, BLOCK_N, BLOCK_K, dtype, EXPAND, KPERM, SPLIT)
         ws = ws_next
         if ACT != _ACT_NONE:
             ub = w_desc.load([w_row + N, k0 // K_PER_W])
             su_ptrs += GROUPS_K
             us_next = _load_scales(su_ptrs, offs_g, K - k0 - BLOCK_K)
-            acc_up = _product(a, expand_nvfp4(ub, us, BLOCK_N, BLOCK_K, dtype, EXPAND, KPERM, SPLIT), acc_up, SWAP_AB)
+            uv = expand_nvfp4(ub, us, BLOCK_N, BLOCK_K, dtype, EXPAND, KPERM, SPLIT)
             us = us_next
+        # Both halves are expanded before either product: with the up half's expansion between the gate's wgmma
+        # and the up's, ptxas serialized every wgmma of the gated kernels (warning C7515; sm_90a, Triton 3.6).
+        acc = _product(a, wv, acc, SWAP_AB)
+        if ACT != _ACT_NONE:
+            acc_up = _product(a, uv, acc_up, SWAP_AB)
 
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -467,10 +475,13 @@ CONFIGS = {
 
 # Where K-permuted weights (``kperm``) measured fastest with another config than ``CONFIGS``'s
 # (launch/bench_nvfp4.py --sweep-kperm on an H200): with the bytes of each thread together, the swapped
-# operand order (weights from registers) wins at prefill too.
+# operand order (weights from registers) wins at prefill too. ``mid_gated`` and the prefill GROUP_M were
+# chosen by fused_moe's times (DeepSeek-V3's layer, T = 4096, E = 256 and 64, one H100) once no config's
+# wgmma were serialized any more (docs/perf-notes.md).
 CONFIGS_KPERM: dict[str, dict] = {
     "mid64": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 8},
-    "prefill": {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8},
+    "mid_gated": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8},
+    "prefill": {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 1},
     "prefill_gated": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8},
 }
 
