@@ -166,6 +166,37 @@ def test_every_code_expands_exactly(name, swap, expand, wlayout):
     assert torch.equal(out.cpu().t(), rq.dequantize_nvfp4(w, scales, 1.0)[0])
 
 
+@pytest.mark.parametrize("packing", ["plain", "kperm", "split"])
+@pytest.mark.parametrize(
+    "num_experts, rows, n, k, act",
+    [
+        (8, 4096, 7168, 2048, None),
+        (8, 4096, 4096, 7168, None),
+        (8, 2048, 2048, 7168, "silu"),
+        (32, 512, 7168, 2048, None),
+    ],
+)
+def test_prefill_shapes(rng, num_experts, rows, n, k, act, packing):
+    """The prefill tiles at the benchmark's sizes (up to 4096 rows an expert, 256-row tiles, the whole K loop),
+    through the public op, on sampled rows of every expert against float64."""
+    seed, g = rng
+    gated = act is not None
+    layout = contiguous_layout([rows] * num_experts, 1, DEV)
+    a = torch.randn(layout.num_rows, k, generator=g).bfloat16().to(DEV)
+    w, s, gs = random_nvfp4(num_experts, 2 * n if gated else n, k, g, gated=gated)
+    stored = w if packing == "plain" else fm.pack_nvfp4_weights(w, split_bits=packing == "split")
+    out = torch.full((layout.num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fm.grouped_gemm_nvfp4_contiguous(a, stored, s, gs, layout, activation=act, out=out)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), seed
+    starts = layout.expert_offsets.tolist()
+    for e in range(num_experts):
+        picked = starts[e] + torch.cat((torch.randint(0, rows, (31,), generator=g), torch.tensor([rows - 1])))
+        we = dequantized(w[e : e + 1], s[e : e + 1], gs[e : e + 1])[0]
+        want = ref.activation(a[picked.to(DEV)].double() @ we.T, act)
+        assert rel_err(out[picked.to(DEV)], want) < 1e-2, f"seed {seed}, expert {e}"
+
+
 @pytest.mark.parametrize(
     "model, num_experts, top_k, hidden, inter",
     [
