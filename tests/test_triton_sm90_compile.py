@@ -1,5 +1,5 @@
-"""Every tile config of the NVFP4 Triton GEMM compiles for sm_90a with its wgmma pipelined (compile only: CI has
-no GPU). ptxas serializes the wgmma of a loop when other instructions write their registers inside the pipeline
+"""The Triton kernels that run on Hopper compile for sm_90a with their wgmma pipelined (compile only: CI has no
+GPU): every tile config of the NVFP4 GEMM, the bf16 and FP8 grouped GEMM's configs, the MLA prefill. ptxas serializes the wgmma of a loop when other instructions write their registers inside the pipeline
 (its notice C7515); the kernel then runs, only far slower (1.25x at prefill, measured), and nothing else shows it.
 Whether it happens turns on register allocation, so it changed with the expert count (``BLOCK_E``) and with the
 order of the gated kernel's expansions and products."""
@@ -29,8 +29,11 @@ def compiled(tmp_path_factory):
 def test_every_config_compiled(compiled):
     from flashinfer_moe.moe.gemm_nvfp4_kernel import CONFIGS  # no kernel is launched, nothing is compiled here
 
-    assert {c["cls"] for c in compiled} == set(CONFIGS)
-    assert {c["packing"] for c in compiled} == {"plain", "kperm", "split"}
+    nvfp4 = [c for c in compiled if c["kernel"] == "nvfp4"]
+    assert {c["cls"] for c in nvfp4} == set(CONFIGS)
+    assert {c["packing"] for c in nvfp4} == {"plain", "kperm", "split"}
+    assert {c["dtype"] for c in compiled if c["kernel"] == "grouped_gemm"} == {"bf16", "fp8_block", "fp8_tensor"}
+    assert sum(c["kernel"] == "mla_prefill" for c in compiled) == 2
     assert all(c["regs"] > 0 for c in compiled), compiled
 
 

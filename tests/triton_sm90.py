@@ -1,12 +1,12 @@
-"""Compiles the NVFP4 Triton GEMM for sm_90a on a machine with no GPU and reports what ptxas says of it.
+"""Compiles the Triton kernels that run on Hopper for sm_90a on a machine with no GPU and reports what ptxas says.
 
 Run as a script (``python tests/triton_sm90.py``) in its own process: it installs a stand-in for Triton's CUDA
 driver that answers only what compilation asks (the target, device 0, stream 0), so that
-``JITFunction.run(..., warmup=True)`` compiles the kernel exactly as a launch would, specializations
-included, without launching it. Prints one JSON line per case: the config class, the weight packing
-(plain bytes, K-permuted, split bits), the expert count, the layout, registers and whether ptxas serialized
-the wgmma pipeline (its notice C7515).
-"""
+``JITFunction.run(..., warmup=True)`` compiles a kernel exactly as a launch would, specializations included,
+without launching it. Prints one JSON line per compiled kernel: which kernel and case, its registers, the bytes
+it spills and whether ptxas serialized its wgmma pipeline (notice C7515). The kernels: the NVFP4 grouped GEMM
+(every tile class, plain, K-permuted and split-bits weights, 8 and 256 experts, both layouts for split bits),
+the bf16 and FP8 grouped GEMM (its picked configs, with and without the fused activation) and the MLA prefill."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class _CompileOnlyDriver:
         return True
 
 
-def _ptxas(ptx: str) -> tuple[int, bool]:
+def _ptxas(ptx: str) -> tuple[int, int, bool]:
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
@@ -56,25 +56,13 @@ def _ptxas(ptx: str) -> tuple[int, bool]:
     if res.returncode:
         raise RuntimeError(res.stderr)
     regs = re.search(r"Used (\d+) registers", res.stderr)
-    return int(regs.group(1)) if regs else -1, "C7515" in res.stderr or "are serialized" in res.stderr
+    spills = re.search(r"(\d+) bytes spill stores", res.stderr)
+    serialized = "C7515" in res.stderr or "are serialized" in res.stderr
+    return int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else 0, serialized
 
 
-def compile_nvfp4(kernel, config: dict, experts: int, gated: bool, masked: bool, packing: str) -> tuple[int, bool]:
-    """(registers, serialized) of the NVFP4 GEMM as ``kernel.launch`` would compile it for this call."""
-    rows, n, k = 4096, 2048 if gated else 4096, 7168
-    nw = 2 * n if gated else n
-    counts = torch.zeros(experts, dtype=torch.int32)
-    offsets = None if masked else torch.zeros(experts, dtype=torch.int32)
-    args = (
-        torch.empty(rows, k, dtype=torch.bfloat16),
-        torch.empty(experts, nw, k // 2, dtype=torch.uint8),
-        torch.empty(experts, nw, k // 16, dtype=torch.float8_e4m3fn),
-        torch.empty((experts, 2) if gated else (experts,), dtype=torch.float32),
-        torch.empty(rows, n, dtype=torch.bfloat16),
-        counts,
-        offsets,
-    )
-    jit_fn = kernel.grouped_gemm_nvfp4_kernel
+def _compiled(jit_fn, launch) -> tuple[int, int, bool]:
+    """(registers, spilled bytes, serialized) of the kernel that ``launch()`` would run through ``jit_fn``."""
     launch_run = jit_fn.run
     compiled = {}
 
@@ -84,19 +72,73 @@ def compile_nvfp4(kernel, config: dict, experts: int, gated: bool, masked: bool,
 
     jit_fn.run = compile_only
     try:
-        kernel.launch(
-            *args,
-            act=int(gated),
-            alpha=1.702,
-            limit=7.0,
-            capacity=rows // experts if masked else 2**31 - 1,
-            config=config,
-            kperm=packing != "plain",
-            split_bits=packing == "split",
-        )
+        launch()
     finally:
         jit_fn.run = launch_run
     return _ptxas(compiled["kernel"].asm["ptx"])
+
+
+def compile_nvfp4(kernel, config: dict, experts: int, gated: bool, masked: bool, packing: str) -> tuple[int, int, bool]:
+    """The NVFP4 GEMM as ``kernel.launch`` compiles it for one call."""
+    rows, n, k = 4096, 2048 if gated else 4096, 7168
+    nw = 2 * n if gated else n
+    counts = torch.zeros(experts, dtype=torch.int32)
+    args = (
+        torch.empty(rows, k, dtype=torch.bfloat16),
+        torch.empty(experts, nw, k // 2, dtype=torch.uint8),
+        torch.empty(experts, nw, k // 16, dtype=torch.float8_e4m3fn),
+        torch.empty((experts, 2) if gated else (experts,), dtype=torch.float32),
+        torch.empty(rows, n, dtype=torch.bfloat16),
+        counts,
+        None if masked else torch.zeros(experts, dtype=torch.int32),
+    )
+    kw = dict(act=int(gated), alpha=1.702, limit=7.0, capacity=rows // experts if masked else 2**31 - 1)
+    kw.update(config=config, kperm=packing != "plain", split_bits=packing == "split")
+    return _compiled(kernel.grouped_gemm_nvfp4_kernel, lambda: kernel.launch(*args, **kw))
+
+
+def compile_grouped_gemm(
+    dtype, a_mode: int, w_mode: int, act: int, experts: int, per_expert: int
+) -> tuple[int, int, bool]:
+    """The bf16 / FP8 grouped GEMM (contiguous layout) with the config ``gemm_config.pick`` gives the shape."""
+    from flashinfer_moe.moe import gemm_config, gemm_kernel
+
+    rows, n, k = experts * per_expert, 2048 if act else 4096, 7168
+    nw = 2 * n if act else n
+    a_scale = {0: None, 1: torch.empty(1), 3: torch.empty(rows, k // 128)}[a_mode]
+    w_scale = {0: None, 1: torch.empty(experts), 2: torch.empty(experts, nw // 128, k // 128)}[w_mode]
+    config = gemm_config.pick(dtype, a_mode, w_mode, act, False, rows, experts, 2**31 - 1, n, k)
+    args = (
+        torch.empty(rows, k, dtype=dtype),
+        torch.empty(experts, nw, k, dtype=dtype),
+        torch.empty(rows, n, dtype=torch.bfloat16),
+        None,
+        torch.zeros(experts, dtype=torch.int32),
+        torch.zeros(experts, dtype=torch.int32),
+        a_scale,
+        w_scale,
+    )
+    kw = dict(a_mode=a_mode, w_mode=w_mode, act=act, alpha=1.702, limit=7.0, capacity=2**31 - 1, config=config)
+    return _compiled(gemm_kernel.grouped_gemm_kernel, lambda: gemm_kernel.launch(*args, **kw))
+
+
+def compile_mla_prefill(causal: bool) -> tuple[int, int, bool]:
+    """The MLA prefill kernel with its default config (128 heads, head dims 192 / 128)."""
+    from flashinfer_moe.mla import prefill_kernel
+
+    t, heads = 4096, 128
+    q, k = (torch.empty(t, heads, 192, dtype=torch.bfloat16) for _ in range(2))
+    v, out = (torch.empty(t, heads, 128, dtype=torch.bfloat16) for _ in range(2))
+    lse, cu = torch.empty(t, heads), torch.tensor([0, t], dtype=torch.int32)
+    return _compiled(
+        prefill_kernel.prefill_kernel,
+        lambda: prefill_kernel.launch(q, k, v, cu, out, lse, 0.1, t, causal=causal, config=prefill_kernel.DEFAULT),
+    )
+
+
+def _report(case: dict, result: tuple[int, int, bool]) -> None:
+    regs, spilled, serialized = result
+    print(json.dumps(dict(case, regs=regs, spilled_bytes=spilled, serialized=serialized)), flush=True)
 
 
 def main() -> None:
@@ -112,9 +154,20 @@ def main() -> None:
                 for masked in layouts:
                     if masked and experts != 8:
                         continue
-                    regs, serialized = compile_nvfp4(kernel, config, experts, gated, masked, packing)
-                    case = dict(cls=cls, packing=packing, experts=experts, masked=masked)
-                    print(json.dumps(dict(case, regs=regs, serialized=serialized)), flush=True)
+                    case = dict(kernel="nvfp4", cls=cls, packing=packing, experts=experts, masked=masked)
+                    _report(case, compile_nvfp4(kernel, config, experts, gated, masked, packing))
+    fp8 = torch.float8_e4m3fn
+    for name, dtype, a_mode, w_mode in (
+        ("bf16", torch.bfloat16, 0, 0),
+        ("fp8_block", fp8, 3, 2),
+        ("fp8_tensor", fp8, 1, 1),
+    ):
+        for act in (0, 1):
+            for experts, per_expert in ((8, 512), (256, 16)):
+                case = dict(kernel="grouped_gemm", dtype=name, act=act, experts=experts, per_expert=per_expert)
+                _report(case, compile_grouped_gemm(dtype, a_mode, w_mode, act, experts, per_expert))
+    for causal in (True, False):
+        _report(dict(kernel="mla_prefill", causal=causal), compile_mla_prefill(causal))
 
 
 if __name__ == "__main__":
