@@ -275,8 +275,9 @@ def grouped_gemm_nvfp4_kernel(
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
 
-    # Without it the accumulators' zeros sit on a path around the loop (K = 0), and for some tile configs and
-    # expert counts ptxas then serialized every wgmma of the loop (C7515; 1.25x slower at prefill).
+    # True of every call (the ops reject weights with no K). Without it the accumulators' zeros sit on a path
+    # around the loop (K = 0), and for some tile configs and expert counts ptxas then serialized every wgmma of
+    # the loop (C7515; 1.25x slower at prefill).
     tl.assume(K > 0)
     expert, row0, rows = _tile_of(pid_m, counts_ptr, offsets_ptr, E, capacity, MASKED, BLOCK_M, BLOCK_E)
     if expert >= E:
