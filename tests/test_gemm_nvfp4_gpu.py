@@ -81,24 +81,28 @@ def _stored(w, wlayout):
     return fm.pack_nvfp4_weights(w, split_bits=split).data, dict(kperm=True, split_bits=split)
 
 
+@pytest.mark.parametrize("num_experts", [5, 33])
 @pytest.mark.parametrize("wlayout", ["plain", "kperm", "split"])
 @pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize(
     "name", ["decode", "decode_gated", "mid64", "mid64_gated", "mid", "mid_gated", "prefill", "prefill_gated"]
 )
-def test_every_config(rng, name, swap, wlayout):
+def test_every_config(rng, name, swap, wlayout, num_experts):
     """Each tile config of the table, in both operand orders, on plain, K-permuted and split-bits weights, on a
-    shape that is partial in every dimension (K-permuted weights come in whole 64-element spans)."""
+    shape that is partial in every dimension (K-permuted weights come in whole 64-element spans). Both expert
+    counts: below 32 and from 32 on the kernel compiles differently (``BLOCK_E``), which once decided whether
+    ptxas serialized its wgmma."""
     from flashinfer_moe.moe import gemm_nvfp4_kernel as kernel
 
     seed, g = rng
     gated = name.endswith("gated")
-    counts = torch.tensor([0, 1, 127, 33, 300], dtype=torch.int32)
+    counts = torch.tensor([0, 1, 127, 33, 300] + [5, 0, 64] * ((num_experts - 5) // 3) + [2] * ((num_experts - 5) % 3))
+    counts = counts.to(torch.int32)
     offsets = torch.cat((torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()))
     kperm = wlayout != "plain"
     rows, n, k = int(counts.sum()), 200, 320 if kperm else 224
     a = torch.randn(rows, k, generator=g).bfloat16().to(DEV)
-    w, s, gs = random_nvfp4(5, 2 * n if gated else n, k, g, gated=gated)
+    w, s, gs = random_nvfp4(num_experts, 2 * n if gated else n, k, g, gated=gated)
     out = torch.full((rows, n), float("nan"), device=DEV)
     table = kernel.CONFIGS_KPERM if kperm else {}
     cfg = dict(table.get(name, kernel.CONFIGS[name]), SWAP_AB=swap)
