@@ -155,7 +155,7 @@ def _rising_case(g, heads, s_q, page, cache_dtype=FP8):
     kernels' slack of 8 (P above 1) and past it (the maxima move while the earlier tokens still carry most of the
     weight)."""
     case = make_case(g, MIX, s_q, heads, page, torch.bfloat16, cache_dtype, device="cpu")
-    case["kv_scale"] = case["kv_scale"] or 1.0
+    scale = case["kv_scale"] or 1.0  # bf16 caches have none
     kv = case["kv_cache"].double()
     u = torch.randn(512, generator=g, dtype=torch.float64)
     table = case["block_table"]
@@ -165,8 +165,8 @@ def _rising_case(g, heads, s_q, page, cache_dtype=FP8):
         level = torch.full((n, 1), 0.25, dtype=torch.float64)
         level[max(n - s_q, 0)] = 0.5
         lat = level * u.sign() + 0.05 * torch.randn(n, 512, generator=g, dtype=torch.float64)
-        kv[pid, slot, :512] = lat / case["kv_scale"]
-        kv[pid, slot, 512:] = 0.1 * torch.randn(n, 64, generator=g, dtype=torch.float64) / case["kv_scale"]
+        kv[pid, slot, :512] = lat / scale
+        kv[pid, slot, 512:] = 0.1 * torch.randn(n, 64, generator=g, dtype=torch.float64) / scale
     f = torch.linspace(0.7, 1.3, heads, dtype=torch.float64)[None, None, :, None]
     q = f * u + 0.02 * torch.randn(len(MIX), s_q, heads, 512, generator=g, dtype=torch.float64)
     case.update(
@@ -203,8 +203,6 @@ def test_rising_maxima_64_rows(rng, page, heads, s_q, cache_dtype, num_sms):
     before by less and by more than the running maxima's slack: against float64."""
     seed, g = rng
     case = _rising_case(g, heads, s_q, page, cache_dtype)
-    if cache_dtype != FP8:
-        case["kv_scale"] = None
     got = run_decode(case, SM_SCALE, num_sms=num_sms)
     assert_close(*got, *reference(case, SM_SCALE, device=DEV), torch.bfloat16, f"seed {seed}", lse_tol=lse_tol(case))
 
