@@ -92,12 +92,12 @@ def _on_cuda(fn):
     from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90
 
     def call(i):
-        old = sm90.MAX_CAPACITY, sm90.MAX_CAPACITY_SPLIT
-        sm90.MAX_CAPACITY = sm90.MAX_CAPACITY_SPLIT = 128
+        old = sm90.MAX_CAPACITY
+        sm90.MAX_CAPACITY = 128
         try:
             return fn(i)
         finally:
-            sm90.MAX_CAPACITY, sm90.MAX_CAPACITY_SPLIT = old
+            sm90.MAX_CAPACITY = old
 
     return call
 

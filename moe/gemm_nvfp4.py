@@ -71,7 +71,7 @@ def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, a
     from . import gemm_nvfp4_sm90 as sm90
 
     kperm, split = wlayout != PLAIN, wlayout == SPLIT_BITS
-    if sm90.usable(a, w, out, offsets, capacity, act, kperm, split):
+    if sm90.usable(a, w, out, offsets, capacity, act, kperm):
         with on_device(a):
             sm90.launch(
                 a,

@@ -5,10 +5,11 @@ counts, no host sync). Per K step it takes the packed weight bytes `[BLOCK_N, BL
 from TMA loads that the compiler pipelines ``num_stages`` deep in shared memory (so the weight stream runs ahead
 of the expansion), expands the bytes with their E4M3 block scales `[BLOCK_N, BLOCK_K / 16]` in registers to the
 activations' dtype (bf16 on a GPU: a ``prmt`` table lookup in inline PTX, about 2 instructions per
-weight), and feeds the tensor cores with ``tl.dot`` (wgmma on Hopper, overlapped with the next step's
-expansion). The expansion is exact: an E2M1 value times an E4M3 scale has at most 6 significant bits
-(1.5 x 1.875 = 10.1101b) and lies in ``[2**-10, 2688]``, inside bf16 and fp16 alike. The fp32 global scale (one
-per expert, or one per gate/up half for GEMM1) multiplies the fp32 accumulator once, in the epilogue.
+weight), and feeds the tensor cores with ``tl.dot`` (wgmma on Hopper; with ``SWAP_AB`` each step's products
+complete before the next step's expansion, see ``_retired``). The expansion is exact: an E2M1 value times an E4M3
+scale has at most 6 significant bits (1.5 x 1.875 = 10.1101b) and lies in ``[2**-10, 2688]``, inside bf16 and fp16
+alike. The fp32 global scale (one per expert, or one per gate/up half for GEMM1) multiplies the fp32 accumulator
+once, in the epilogue.
 
 With ``SWAP_AB`` the product is computed transposed, ``acc[n, m] = sum_k W[n, k] A[m, k]``: the expanded
 weights are then the left operand, which wgmma reads from registers (no shared-memory round trip for them),
@@ -224,6 +225,19 @@ def _load_scales(s_ptrs, offs_g, left):
 
 
 @triton.jit
+def _retired(acc):
+    """``acc`` once every wgmma that accumulates into it has completed, so that the next K step's expansion may
+    write the registers they read. With ``SWAP_AB`` the expanded weights are wgmma's register operand; Triton 3.6
+    leaves up to (products per step - 1) of them in flight into the next step, whose expansion then writes the
+    same registers (undefined in PTX; triton-lang/triton#9433), and where ptxas did not serialize the wgmma in
+    response, an H200 read the new values: 8 experts x 4096 rows came out at 1e34 and more. An opaque copy of the
+    accumulators is a use that is not a product, before which Triton waits for all of them (ptxas folds the
+    copy away); ``tests/triton_sm90.py`` checks the SASS of every config for writes to registers that an
+    unfinished wgmma reads."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _product(a, wv, acc, SWAP_AB: tl.constexpr):
     if SWAP_AB:
         acc = tl.dot(wv, tl.trans(a), acc)  # [BLOCK_N, BLOCK_M]
@@ -265,6 +279,7 @@ def grouped_gemm_nvfp4_kernel(
     EXPAND: tl.constexpr,
     KPERM: tl.constexpr,
     SPLIT: tl.constexpr,
+    RETIRE: tl.constexpr,  # _retired each K step (not under the interpreter, which has no inline PTX and no wgmma)
 ):
     pid = tl.program_id(0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
@@ -311,6 +326,10 @@ def grouped_gemm_nvfp4_kernel(
     if ACT != _ACT_NONE:
         us = _load_scales(su_ptrs, offs_g, K)
     for k0 in range(0, K, BLOCK_K):
+        if SWAP_AB and RETIRE:
+            acc = _retired(acc)
+            if ACT != _ACT_NONE:
+                acc_up = _retired(acc_up)
         a = a_desc.load([row0, k0])
         wb = w_desc.load([w_row, k0 // K_PER_W])
         s_ptrs += GROUPS_K
@@ -438,21 +457,31 @@ def launch(
         EXPAND=expand_variant(config, a.dtype),
         KPERM=kperm,
         SPLIT=split_bits,
+        RETIRE=os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=config.get("num_warps", 4),
         num_stages=config.get("num_stages", 3),
     )
 
 
 DEFAULT_EXPAND = EXPAND_PRMT
-# Tile configs by shape class, picked in ``pick`` (measured by launch/bench_nvfp4.py --sweep on an H200).
+# Tile configs by shape class, picked in ``pick`` (measured by launch/bench_nvfp4.py --sweep on an H200; ``mid`` and
+# ``mid_gated`` re-timed with ``_retired``, see CONFIGS_KPERM).
 _DECODE_ROWS = 32  # rows per expert up to which the decode tiles apply
 CONFIGS = {
     "decode": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "GROUP_M": 8},
     "decode_gated": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 1},
     "mid64": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "GROUP_M": 8},
     "mid64_gated": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8},
-    "mid": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8},
-    "mid_gated": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8},
+    "mid": {
+        "BLOCK_M": 128,
+        "BLOCK_N": 128,
+        "BLOCK_K": 64,
+        "num_warps": 8,
+        "num_stages": 3,
+        "GROUP_M": 8,
+        "SWAP_AB": False,
+    },
+    "mid_gated": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "GROUP_M": 8},
     "prefill": {
         "BLOCK_M": 128,
         "BLOCK_N": 128,
@@ -474,16 +503,16 @@ CONFIGS = {
 }
 
 
-# Where K-permuted weights (``kperm``) measured fastest with another config than ``CONFIGS``'s
-# (launch/bench_nvfp4.py --sweep-kperm on an H200): with the bytes of each thread together, the swapped
-# operand order (weights from registers) wins at prefill too. ``mid_gated`` and the prefill GROUP_M were
-# chosen by fused_moe's times (DeepSeek-V3's layer, T = 4096, E = 256 and 64, one H100) once no config's
-# wgmma were serialized any more (docs/perf-notes.md).
+# Where K-permuted weights (``kperm``, split bits too) measured fastest with another config than ``CONFIGS``'s:
+# timed on split bits, each candidate checked against float64, on one H200 once ``_retired`` made every step's
+# products complete before the next expansion (docs/perf-notes.md); the same sweep on split bits and on plain
+# weights chose ``CONFIGS``' ``mid`` and ``mid_gated``.
 CONFIGS_KPERM: dict[str, dict] = {
+    "decode": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "GROUP_M": 8},
+    "decode_gated": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "GROUP_M": 8},
     "mid64": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 8},
-    "mid_gated": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8},
-    "prefill": {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 1},
-    "prefill_gated": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8},
+    "prefill": {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "GROUP_M": 1},
+    "prefill_gated": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "GROUP_M": 8},
 }
 
 

@@ -32,18 +32,14 @@ SPEC = register(
 )
 
 TILES = (8, 16, 32, 64)  # tokens per CTA tile (wgmma's N)
-# Where it takes a call by default: masked capacities up to MAX_CAPACITY, contiguous groups of up to MAX_MEAN_ROWS
-# rows on average. On an H200 (docs/perf-notes.md) it led the Triton kernel at 8 and 16 rows per expert (249 vs 274 us
-# and 260 vs 292 us for 32 experts at (4096, 7168)), tied it at 64 and trailed it at 128 rows; in fused_moe
-# (contiguous) it led at means of 1-4 rows per expert (DeepSeek-V3 layer, T = 1: 119 vs 141 us) and trailed at
-# 16 (E = 64, T = 128: 1153 vs 1088 us). Both paths are tested with the limits raised. A group larger than a tile
-# runs as several tiles, each reading the CTA's weight rows again (from L2).
-MAX_CAPACITY = 16
-MAX_MEAN_ROWS = 8
-# Split bits halve the expansion's integer work, which moves the masked crossover up: on an H100 (docs/perf.md)
-# this kernel led the Triton kernel at 64 rows per expert (391 vs 444 us at (4096, 7168), 224 vs 250 at
-# (7168, 2048)) and trailed it at 128 (771 vs 514).
-MAX_CAPACITY_SPLIT = 64
+# Where it takes a call by default: masked capacities and contiguous groups (on average) of up to 64 rows per expert.
+# With the Triton kernel waiting for each K step's products before expanding the next (moe/gemm_nvfp4_kernel.py,
+# _retired), this kernel ran 32 experts' masked calls at 64 rows 1.3-1.6x faster than it (K-permuted bytes; split
+# bits 1.5-1.6x) and 0.9x at 128, and fused_moe for DeepSeek-V3's layer 1.5-2.6x faster at 16-32 rows per expert on
+# average and 1.2-1.5x at 64 (one H200, docs/perf.md). A group larger than a tile runs as several tiles, each
+# reading the CTA's weight rows again (from L2).
+MAX_CAPACITY = 64
+MAX_MEAN_ROWS = 64
 MAX_EXPERTS = 65535  # one grid row per expert
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -60,18 +56,14 @@ def tile_for(group_rows: int) -> int:
     return next((t for t in TILES if t >= group_rows), TILES[-1])
 
 
-def usable(
-    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacity: int, act: int, kperm: bool, split_bits=False
-) -> bool:
+def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacity: int, act: int, kperm: bool) -> bool:
     """Whether the kernel takes the call: sm_90, K-permuted weights, decode-sized groups (a masked capacity up to
-    ``MAX_CAPACITY``, or ``MAX_CAPACITY_SPLIT`` with ``split_bits``; contiguous groups of up to ``MAX_MEAN_ROWS``
-    rows on average), bf16 activations, weight rows (and GEMM1's output columns) a multiple of 64, dense operands
-    with 16-byte aligned activations."""
+    ``MAX_CAPACITY``; contiguous groups of up to ``MAX_MEAN_ROWS`` rows on average), bf16 activations, weight rows
+    (and GEMM1's output columns) a multiple of 64, dense operands with 16-byte aligned activations."""
     if envs.gemm_backend() == "triton" or not kperm:
         return False
     group_rows = _rows_per_expert(a.shape[0], w.shape[0], capacity if offsets is None else None)
-    max_capacity = MAX_CAPACITY_SPLIT if split_bits else MAX_CAPACITY
-    if group_rows > (max_capacity if offsets is None else MAX_MEAN_ROWS):
+    if group_rows > (MAX_CAPACITY if offsets is None else MAX_MEAN_ROWS):
         return False
     if a.dtype != torch.bfloat16 or out.dtype not in (torch.bfloat16, torch.float32):
         return False

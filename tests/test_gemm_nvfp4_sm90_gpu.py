@@ -23,8 +23,6 @@ def _hopper(monkeypatch):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the kernel is sm_90a")
     monkeypatch.setattr(sm90, "MAX_CAPACITY", 128)
-    monkeypatch.setattr(sm90, "MAX_CAPACITY_SPLIT", 128)
-    monkeypatch.setattr(sm90, "MAX_MEAN_ROWS", 32)
 
 
 def _assert_taken(a, w, out, offsets, capacity, act):

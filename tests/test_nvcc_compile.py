@@ -1,13 +1,16 @@
 """Every CUDA source compiles for sm_90a without a warning (compile only: CI has nvcc but no GPU).
 
 ptxas's notice that it serialized the wgmma pipeline (it does when a call, such as a device assert, sits
-between wgmma instructions) fails the test too: the kernel would run, only far slower."""
+between wgmma instructions) fails the test too: the kernel would run, only far slower. So does an instruction of
+the SASS that writes the register operand, or touches the accumulators, of a wgmma still in flight
+(``sass_wgmma.hazards``): the kernel would run and read whatever the register held by then."""
 
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import sass_wgmma
 
 from flashinfer_moe import jit
 
@@ -55,3 +58,6 @@ def test_compiles_for_sm90a(source: Path, tmp_path):
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "instructions are serialized" not in res.stdout + res.stderr, res.stdout + res.stderr
+    if sass_wgmma.cuobjdump():
+        racy = sass_wgmma.hazards(sass_wgmma.sass_of(tmp_path / "out.o"))
+        assert not racy, f"instructions touch the registers of a wgmma in flight: {racy[:5]}"

@@ -40,3 +40,8 @@ def test_every_config_compiled(compiled):
 def test_no_config_serializes_its_wgmma(compiled):
     serialized = [c for c in compiled if c["serialized"]]
     assert not serialized, f"ptxas serialized the wgmma of {serialized}"
+
+
+def test_no_instruction_touches_an_unfinished_wgmmas_registers(compiled):
+    racy = [c for c in compiled if c["hazards"]]
+    assert not racy, f"SASS writes the operand or touches the accumulators of a wgmma in flight in {racy}"

@@ -4,9 +4,10 @@ Run as a script (``python tests/triton_sm90.py``) in its own process: it install
 driver that answers only what compilation asks (the target, device 0, stream 0), so that
 ``JITFunction.run(..., warmup=True)`` compiles a kernel exactly as a launch would, specializations included,
 without launching it. Prints one JSON line per compiled kernel: which kernel and case, its registers, the bytes
-it spills and whether ptxas serialized its wgmma pipeline (notice C7515). The kernels: the NVFP4 grouped GEMM
-(every tile class, plain, K-permuted and split-bits weights, 8 and 256 experts, both layouts for split bits),
-the bf16 and FP8 grouped GEMM (its picked configs, with and without the fused activation) and the MLA prefill."""
+it spills, whether ptxas serialized its wgmma pipeline (notice C7515) and how many instructions of its SASS touch
+the registers of a wgmma still in flight (``sass_wgmma.hazards``). The kernels: the NVFP4 grouped GEMM (every
+tile class, plain, K-permuted and split-bits weights, 8 and 256 experts, both layouts for split bits), the bf16
+and FP8 grouped GEMM (its picked configs, with and without the fused activation) and the MLA prefill."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sass_wgmma  # noqa: E402
 
 
 class _CompileOnlyDriver:
@@ -42,27 +46,28 @@ class _CompileOnlyDriver:
         return True
 
 
-def _ptxas(ptx: str) -> tuple[int, int, bool]:
+def _ptxas(ptx: str) -> tuple[int, int, bool, int]:
     with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
+        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
         res = subprocess.run(
-            [triton.knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+            [triton.knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", src, "-o", cubin],
             capture_output=True,
             text=True,
             timeout=300,
         )
-    if res.returncode:
-        raise RuntimeError(res.stderr)
+        if res.returncode:
+            raise RuntimeError(res.stderr)
+        hazards = len(sass_wgmma.hazards(sass_wgmma.sass_of(cubin)))
     regs = re.search(r"Used (\d+) registers", res.stderr)
     spills = re.search(r"(\d+) bytes spill stores", res.stderr)
     serialized = "C7515" in res.stderr or "are serialized" in res.stderr
-    return int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else 0, serialized
+    return int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else 0, serialized, hazards
 
 
-def _compiled(jit_fn, launch) -> tuple[int, int, bool]:
-    """(registers, spilled bytes, serialized) of the kernel that ``launch()`` would run through ``jit_fn``."""
+def _compiled(jit_fn, launch) -> tuple[int, int, bool, int]:
+    """(registers, spilled bytes, serialized, SASS hazards) of the kernel that ``launch()`` would run through ``jit_fn``."""
     launch_run = jit_fn.run
     compiled = {}
 
@@ -78,7 +83,9 @@ def _compiled(jit_fn, launch) -> tuple[int, int, bool]:
     return _ptxas(compiled["kernel"].asm["ptx"])
 
 
-def compile_nvfp4(kernel, config: dict, experts: int, gated: bool, masked: bool, packing: str) -> tuple[int, int, bool]:
+def compile_nvfp4(
+    kernel, config: dict, experts: int, gated: bool, masked: bool, packing: str
+) -> tuple[int, int, bool, int]:
     """The NVFP4 GEMM as ``kernel.launch`` compiles it for one call."""
     rows, n, k = 4096, 2048 if gated else 4096, 7168
     nw = 2 * n if gated else n
@@ -99,7 +106,7 @@ def compile_nvfp4(kernel, config: dict, experts: int, gated: bool, masked: bool,
 
 def compile_grouped_gemm(
     dtype, a_mode: int, w_mode: int, act: int, experts: int, per_expert: int
-) -> tuple[int, int, bool]:
+) -> tuple[int, int, bool, int]:
     """The bf16 / FP8 grouped GEMM (contiguous layout) with the config ``gemm_config.pick`` gives the shape."""
     from flashinfer_moe.moe import gemm_config, gemm_kernel
 
@@ -122,7 +129,7 @@ def compile_grouped_gemm(
     return _compiled(gemm_kernel.grouped_gemm_kernel, lambda: gemm_kernel.launch(*args, **kw))
 
 
-def compile_mla_prefill(causal: bool) -> tuple[int, int, bool]:
+def compile_mla_prefill(causal: bool) -> tuple[int, int, bool, int]:
     """The MLA prefill kernel with its default config (128 heads, head dims 192 / 128)."""
     from flashinfer_moe.mla import prefill_kernel
 
@@ -136,9 +143,9 @@ def compile_mla_prefill(causal: bool) -> tuple[int, int, bool]:
     )
 
 
-def _report(case: dict, result: tuple[int, int, bool]) -> None:
-    regs, spilled, serialized = result
-    print(json.dumps(dict(case, regs=regs, spilled_bytes=spilled, serialized=serialized)), flush=True)
+def _report(case: dict, result: tuple[int, int, bool, int]) -> None:
+    regs, spilled, serialized, hazards = result
+    print(json.dumps(dict(case, regs=regs, spilled_bytes=spilled, serialized=serialized, hazards=hazards)), flush=True)
 
 
 def main() -> None:
