@@ -1,8 +1,11 @@
-"""The Triton kernels that run on Hopper compile for sm_90a with their wgmma pipelined (compile only: CI has no
-GPU): every tile config of the NVFP4 GEMM, the bf16 and FP8 grouped GEMM's configs, the MLA prefill. ptxas serializes the wgmma of a loop when other instructions write their registers inside the pipeline
-(its notice C7515); the kernel then runs, only far slower (1.25x at prefill, measured), and nothing else shows it.
-Whether it happens turns on register allocation, so it changed with the expert count (``BLOCK_E``) and with the
-order of the gated kernel's expansions and products."""
+"""The Triton kernels that run on Hopper compile for sm_90a with their wgmma pipelined and race-free (compile only:
+CI has no GPU): every tile config of the NVFP4 GEMM, the bf16 and FP8 grouped GEMM's configs, the MLA prefill and
+four tiles of the MLA Triton decode. ptxas serializes the wgmma of a loop when other instructions write their
+registers inside the pipeline (its notice C7515); the kernel then runs, only far slower (1.25x at prefill,
+measured), and nothing else shows it. Whether it happens turns on register allocation, so it changed with the
+expert count (``BLOCK_E``) and with the order of the gated kernel's expansions and products. Where ptxas does not
+serialize, no instruction may write the register operand, or touch the accumulators, of a wgmma still in flight
+(``sass_wgmma.hazards``): the NVFP4 kernel did, and computed wrong outputs on an H200."""
 
 import json
 import os
@@ -34,6 +37,7 @@ def test_every_config_compiled(compiled):
     assert {c["packing"] for c in nvfp4} == {"plain", "kperm", "split"}
     assert {c["dtype"] for c in compiled if c["kernel"] == "grouped_gemm"} == {"bf16", "fp8_block", "fp8_tensor"}
     assert sum(c["kernel"] == "mla_prefill" for c in compiled) == 2
+    assert sum(c["kernel"] == "mla_decode" for c in compiled) == 4
     assert all(c["regs"] > 0 for c in compiled), compiled
 
 

@@ -7,7 +7,8 @@ without launching it. Prints one JSON line per compiled kernel: which kernel and
 it spills, whether ptxas serialized its wgmma pipeline (notice C7515) and how many instructions of its SASS touch
 the registers of a wgmma still in flight (``sass_wgmma.hazards``). The kernels: the NVFP4 grouped GEMM (every
 tile class, plain, K-permuted and split-bits weights, 8 and 256 experts, both layouts for split bits), the bf16
-and FP8 grouped GEMM (its picked configs, with and without the fused activation) and the MLA prefill."""
+and FP8 grouped GEMM (its picked configs, with and without the fused activation), the MLA prefill and the MLA
+Triton decode (four of its tiles)."""
 
 from __future__ import annotations
 
@@ -143,6 +144,39 @@ def compile_mla_prefill(causal: bool) -> tuple[int, int, bool, int]:
     )
 
 
+def compile_mla_decode(heads: int, cache: str, tma: bool) -> tuple[int, int, bool, int]:
+    """The Triton MLA decode kernel (the Hopper path of FP8 latent pages beside bf16 rope pages, and of
+    ``FLASHINFER_MOE_MLA_BACKEND=triton``) with its configured tile for ``heads`` query rows, page 64."""
+    from flashinfer_moe.mla import decode_configs, decode_kernel
+
+    batch, pages, page, programs = 4, 64, 64, 132
+    fp8 = cache != "bf16"
+    block_m = 16 if heads <= 16 else 32 if heads <= 32 else 64
+    table = decode_configs.TMA_CONFIGS if tma else decode_configs.CONFIGS
+    config = dict(table[(block_m, False) if tma else (block_m, fp8)], BLOCK_M=block_m, TMA=int(tma))
+    q_nope = torch.empty(batch, 1, heads, 512, dtype=torch.bfloat16)
+    q_pe = torch.empty(batch, 1, heads, 64, dtype=torch.bfloat16)
+    if cache == "fp8_bf16_rope":
+        ckv = torch.empty(pages, page, 512, dtype=torch.float8_e4m3fn)
+        kpe = torch.empty(pages, page, 64, dtype=torch.bfloat16)
+    else:
+        pool = torch.empty(pages, page, 576, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        ckv, kpe = pool, pool[..., 512:]
+    sched = torch.zeros(2 + 4 * batch + programs, dtype=torch.int32)
+    tables, lens = torch.zeros(batch, 8, dtype=torch.int32), torch.zeros(batch, dtype=torch.int32)
+    part_out, part_lse = torch.empty(8, heads, 512), torch.empty(8, heads)
+    out, lse = torch.empty(batch, 1, heads, 512, dtype=torch.bfloat16), torch.empty(batch, 1, heads)
+    args = (q_nope, q_pe, ckv, kpe, tables, lens, sched, part_out, part_lse, out, lse, 0.1, 1.0 if fp8 else None)
+    combine = decode_kernel.launch_combine
+    decode_kernel.launch_combine = lambda *a, **k: None  # a second kernel, not the one compiled here
+    try:
+        return _compiled(
+            decode_kernel._decode_kernel, lambda: decode_kernel.launch_decode(*args, False, programs, config)
+        )
+    finally:
+        decode_kernel.launch_combine = combine
+
+
 def _report(case: dict, result: tuple[int, int, bool, int]) -> None:
     regs, spilled, serialized, hazards = result
     print(json.dumps(dict(case, regs=regs, spilled_bytes=spilled, serialized=serialized, hazards=hazards)), flush=True)
@@ -175,6 +209,13 @@ def main() -> None:
                 _report(case, compile_grouped_gemm(dtype, a_mode, w_mode, act, experts, per_expert))
     for causal in (True, False):
         _report(dict(kernel="mla_prefill", causal=causal), compile_mla_prefill(causal))
+    for heads, cache, tma in (
+        (16, "bf16", False),
+        (64, "bf16", True),
+        (16, "fp8_bf16_rope", False),
+        (32, "fp8", False),
+    ):
+        _report(dict(kernel="mla_decode", heads=heads, cache=cache, tma=tma), compile_mla_decode(heads, cache, tma))
 
 
 if __name__ == "__main__":
