@@ -34,9 +34,9 @@ SPEC = register(
 TILES = (8, 16, 32, 64)  # tokens per CTA tile (wgmma's N)
 # Where it takes a call by default: masked capacities and contiguous groups (on average) of up to 64 rows per expert.
 # With the Triton kernel waiting for each K step's products before expanding the next (moe/gemm_nvfp4_kernel.py,
-# _retired), this kernel ran 32 experts' masked calls at 64 rows 1.3-1.6x faster than it (K-permuted bytes; split
-# bits 1.5-1.6x) and 0.9x at 128, and fused_moe for DeepSeek-V3's layer 1.5-2.6x faster at 16-32 rows per expert on
-# average and 1.2-1.5x at 64 (one H200, docs/perf.md). A group larger than a tile runs as several tiles, each
+# _retired), this kernel ran 32 experts' masked calls at 64 rows 1.4-1.55x faster than it (K-permuted bytes; split
+# bits 1.5-1.65x) and 0.85-0.89x at 128, and fused_moe for DeepSeek-V3's layer 1.5-2.6x faster at 16-32 rows per
+# expert on average and 1.2-1.5x at 64 (one H200, docs/perf-notes.md). A group larger than a tile runs as several tiles, each
 # reading the CTA's weight rows again (from L2).
 MAX_CAPACITY = 64
 MAX_MEAN_ROWS = 64
