@@ -292,7 +292,7 @@ def grouped_gemm_nvfp4_kernel(
 
     # True of every call (the ops reject weights with no K). Without it the accumulators' zeros sit on a path
     # around the loop (K = 0), and for some tile configs and expert counts ptxas then serialized every wgmma of
-    # the loop (C7515; 1.25x slower at prefill).
+    # the loop (C7515). That serialization also hid the register race that _retired now prevents.
     tl.assume(K > 0)
     expert, row0, rows = _tile_of(pid_m, counts_ptr, offsets_ptr, E, capacity, MASKED, BLOCK_M, BLOCK_E)
     if expert >= E:
@@ -377,10 +377,15 @@ def _tma_ready(t):
     return t
 
 
+def _interpreting() -> bool:
+    """Whether Triton runs the kernel in its interpreter (no inline PTX, no wgmma there)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def expand_variant(config: dict, dtype) -> int:
     """The config's ``EXPAND`` (default: the fastest measured), the portable one under the interpreter (no inline
     PTX there) or for fp16 activations."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or dtype != torch.bfloat16:
+    if _interpreting() or dtype != torch.bfloat16:
         return EXPAND_FP16
     return config.get("EXPAND", DEFAULT_EXPAND)
 
@@ -457,7 +462,7 @@ def launch(
         EXPAND=expand_variant(config, a.dtype),
         KPERM=kperm,
         SPLIT=split_bits,
-        RETIRE=os.environ.get("TRITON_INTERPRET") != "1",
+        RETIRE=not _interpreting(),
         num_warps=config.get("num_warps", 4),
         num_stages=config.get("num_stages", 3),
     )

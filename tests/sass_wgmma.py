@@ -25,7 +25,7 @@ _HGMMA = re.compile(r"HGMMA\.64x(\d+)x\d+\.(F32|F16)\S*\s+R(\d+),\s*(R\d+|gdesc)
 _DEPBAR = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)")
 _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 _REG = re.compile(r"(?<![A-Z_.])R(\d+)\b")
-# Opcodes whose first register is read, not written.
+# Opcodes whose first register is read, not written (uniform-datapath ones, U..., all are: see _dest).
 _NO_DEST = (
     "ST",
     "RED",
@@ -34,7 +34,6 @@ _NO_DEST = (
     "BRA",
     "SYNCS",
     "WARPGROUP",
-    "UTMA",
     "MEMBAR",
     "FENCE",
     "EXIT",
@@ -56,9 +55,6 @@ _NO_DEST = (
     "ERRBAR",
     "R2UR",
     "REDUX",
-    "UIADD3",
-    "ULDC",
-    "UMOV",
 )
 
 
