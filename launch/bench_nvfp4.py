@@ -16,11 +16,10 @@ Tables:
 checks each one's output against the first's, prints the fastest per class as a line to paste into the table,
 and makes the fastest the ones the tables below use (the JSON records both); --sweep-kperm does the same on
 K-permuted weights (``pack_nvfp4_weights``) for ``CONFIGS_KPERM``. Every table also times NVFP4 on K-permuted
-weights (``nvfp4_kperm``: on Hopper the CUDA kernel where it takes the call), and the masked and fused tables
-the same on the Triton kernel alone (``nvfp4_kperm_triton``); the masked table also on the CUDA kernel
-wherever it can take the call (``nvfp4_kperm_cuda``, its default routing limit lifted); the masked and fused
-tables time weights packed with split bits the same ways (``nvfp4_split*``), the contiguous table too. --sass DIR writes the SASS (and
-TTGIR/PTX) of every compiled NVFP4 kernel and prints its count of wgmma (HGMMA) instructions.
+weights (``nvfp4_kperm``: on Hopper the CUDA kernel, moe/gemm_nvfp4_sm90.py) and the same on the Triton kernel
+alone (``nvfp4_kperm_triton``), and weights packed with split bits the same ways (``nvfp4_split*``). --sass DIR
+writes the SASS (and TTGIR/PTX) of every compiled NVFP4 kernel and prints its count of wgmma (HGMMA)
+instructions.
 
 Times are medians of CUDA-graph replays, NVFP4 and FP8 timed in turn, each after a short settle of its own
 replays (an H200 running these kernels is power-limited; see timing.time_graph).
@@ -83,21 +82,6 @@ def _on_triton(fn):
     def call(i):
         with _triton_only():
             return fn(i)
-
-    return call
-
-
-def _on_cuda(fn):
-    """``fn`` with the Hopper CUDA kernel taking every masked call it can (its default limit lifted)."""
-    from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90
-
-    def call(i):
-        old = sm90.MAX_CAPACITY
-        sm90.MAX_CAPACITY = 128
-        try:
-            return fn(i)
-        finally:
-            sm90.MAX_CAPACITY = old
 
     return call
 
@@ -217,7 +201,6 @@ def masked_rows(rows: list[dict]) -> None:
             for name, ws in nvp.items():  # K-permuted and split bits: default routing, Triton alone, CUDA lifted
                 call = lambda i, ws=ws: fm.grouped_gemm_nvfp4_masked(a, *ws[i % sets], counts, validate=False, out=out)  # noqa: E731
                 fns |= {f"nvfp4_{name}": call, f"nvfp4_{name}_triton": _on_triton(call)}
-                fns[f"nvfp4_{name}_cuda"] = _on_cuda(call)
             fns["fp8"] = lambda i: fm.grouped_gemm_fp8_block_masked(aq, a_s, *f8[i % sets], counts, out=out)
             fns["fp8_packed"] = lambda i: fm.grouped_gemm_fp8_block_masked(
                 aq, a_s, packed[i % sets], f8[i % sets][1], counts, out=out
@@ -234,15 +217,13 @@ def masked_rows(rows: list[dict]) -> None:
                     nvfp4_us=t["nvfp4"],
                     nvfp4_kperm_us=t["nvfp4_kperm"],
                     nvfp4_kperm_triton_us=t["nvfp4_kperm_triton"],
-                    nvfp4_kperm_cuda_us=t["nvfp4_kperm_cuda"],
                     nvfp4_split_us=t["nvfp4_split"],
                     nvfp4_split_triton_us=t["nvfp4_split_triton"],
-                    nvfp4_split_cuda_us=t["nvfp4_split_cuda"],
                     fp8_us=t["fp8"],
                     fp8_packed_us=t["fp8_packed"],
                     speedup_vs_fp8_best=fp8_best / t["nvfp4"],
                     kperm_speedup_vs_fp8_best=fp8_best / t["nvfp4_kperm"],
-                    split_cuda_speedup_vs_fp8_best=fp8_best / t["nvfp4_split_cuda"],
+                    split_speedup_vs_fp8_best=fp8_best / t["nvfp4_split"],
                     nvfp4_weight_tb_s=e * n * k / 2 / (t["nvfp4"] * 1e-6) / 1e12,
                     nvfp4_kperm_weight_tb_s=e * n * k / 2 / (t["nvfp4_kperm"] * 1e-6) / 1e12,
                     nvfp4_with_scales_tb_s=e * n * (k / 2 + k / 16) / (t["nvfp4"] * 1e-6) / 1e12,
@@ -277,6 +258,12 @@ def contiguous_rows(rows: list[dict]) -> None:
                 "nvfp4_split": lambda i: fm.grouped_gemm_nvfp4_contiguous(
                     a, wb, s, gs, layout, validate=False, out=out
                 ),
+                "nvfp4_kperm_triton": _on_triton(
+                    lambda i: fm.grouped_gemm_nvfp4_contiguous(a, wp, s, gs, layout, validate=False, out=out)
+                ),
+                "nvfp4_split_triton": _on_triton(
+                    lambda i: fm.grouped_gemm_nvfp4_contiguous(a, wb, s, gs, layout, validate=False, out=out)
+                ),
                 "fp8": lambda i: fm.grouped_gemm_fp8_block_contiguous(aq, a_s, w8, s8, layout, out=out),
             },
             calls=3,
@@ -296,9 +283,12 @@ def contiguous_rows(rows: list[dict]) -> None:
                 nvfp4_tflops=tflops(flops, t["nvfp4"]),
                 nvfp4_kperm_tflops=tflops(flops, t["nvfp4_kperm"]),
                 nvfp4_split_tflops=tflops(flops, t["nvfp4_split"]),
+                nvfp4_kperm_triton_tflops=tflops(flops, t["nvfp4_kperm_triton"]),
+                nvfp4_split_triton_tflops=tflops(flops, t["nvfp4_split_triton"]),
                 fp8_tflops=tflops(flops, t["fp8"]),
                 nvfp4_vs_fp8=t["fp8"] / t["nvfp4"],
                 kperm_vs_fp8=t["fp8"] / t["nvfp4_kperm"],
+                split_vs_fp8=t["fp8"] / t["nvfp4_split"],
             )
         )
         print(rows[-1], flush=True)
@@ -329,6 +319,9 @@ def fused_rows(rows: list[dict]) -> None:
                         lambda i: fm.fused_moe(x, k13, k2, weights, ids, **nv_kw, **common)
                     ),
                     "nvfp4_split": lambda i: fm.fused_moe(x, b13, b2, weights, ids, **nv_kw, **common),
+                    "nvfp4_split_triton": _on_triton(
+                        lambda i: fm.fused_moe(x, b13, b2, weights, ids, **nv_kw, **common)
+                    ),
                     "fp8": lambda i: fm.fused_moe(x, f13, f2, weights, ids, **f8_kw, **common),
                     "fp8_packed": lambda i: fm.fused_moe(x, p13, p2, weights, ids, **f8_kw, **common),
                 },
@@ -346,10 +339,12 @@ def fused_rows(rows: list[dict]) -> None:
                     nvfp4_kperm_us=times["nvfp4_kperm"],
                     nvfp4_kperm_triton_us=times["nvfp4_kperm_triton"],
                     nvfp4_split_us=times["nvfp4_split"],
+                    nvfp4_split_triton_us=times["nvfp4_split_triton"],
                     fp8_us=times["fp8"],
                     fp8_packed_us=times["fp8_packed"],
                     speedup_vs_fp8_best=fp8_best / times["nvfp4"],
                     kperm_speedup_vs_fp8_best=fp8_best / times["nvfp4_kperm"],
+                    split_speedup_vs_fp8_best=fp8_best / times["nvfp4_split"],
                     active_experts=active,
                     nvfp4_weight_tb_s=active * 3 * h * inter / 2 / (times["nvfp4"] * 1e-6) / 1e12,
                 )

@@ -7,8 +7,8 @@ nibble), ``w_block_scale`` `[E, N, K / 16]` float8_e4m3fn (``weight_scale``), ``
 for the up rows, since a checkpoint quantizes ``gate_proj`` and ``up_proj`` separately and their
 ``weight_scale_2`` may differ (kept exact rather than requantized to a common scale). On a GPU a call launches
 the Triton kernel of ``gemm_nvfp4_kernel`` (no host sync beyond the optional value check); on a CPU the
-reference runs on the dequantized weights. On Hopper, K-permuted weights with decode-sized groups take the
-CUDA kernel of ``gemm_nvfp4_sm90`` instead.
+reference runs on the dequantized weights. On Hopper, K-permuted weights with bf16 activations take the CUDA
+kernel of ``gemm_nvfp4_sm90`` instead, at every group size.
 
 Dimension legend: ``E`` experts, ``R`` rows of the contiguous layout, ``C`` masked capacity, ``K`` reduction,
 ``N`` weight rows (``2 I`` for GEMM1 with an activation, whose output has ``I`` columns).

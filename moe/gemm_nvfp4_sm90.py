@@ -1,11 +1,12 @@
 """The Hopper NVFP4 (W4A16) grouped GEMM written in CUDA (``csrc/gemm/sm90_nvfp4_w4a16_grouped.cu``), for
-decode-sized groups with K-permuted weights, over the masked and the contiguous layouts.
+K-permuted weights, over the masked and the contiguous layouts: decode tiles of 8-64 tokens and a prefill tile
+of 256.
 
 Its weights are wgmma's register operand, expanded by the thread whose registers wgmma reads them from, so no
-expanded weight passes through shared memory. Both kernels are bound by the expansion's integer instructions
-(docs/perf.md); this one leads the Triton kernel at 8-16 rows per expert, and with split bits up to 64, so ``usable``
-sends it only the calls where it measured faster; every other call, and every other GPU, stays on the Triton kernel
-(``moe/gemm_nvfp4_kernel.py``).
+expanded weight passes through shared memory, and double-buffered, so that a span's expansion runs while the
+previous span's products are in flight (which the Triton kernel cannot do, ``moe/gemm_nvfp4_kernel.py``,
+``_retired``). ``usable`` sends it only the calls where it measured faster; every other call, and every other
+GPU, stays on the Triton kernel.
 ``FLASHINFER_MOE_GEMM_BACKEND=triton`` turns it off. Dimension legend as in ``moe/gemm_nvfp4.py``.
 """
 
@@ -31,15 +32,13 @@ SPEC = register(
     )
 )
 
-TILES = (8, 16, 32, 64)  # tokens per CTA tile (wgmma's N)
-# Where it takes a call by default: masked capacities and contiguous groups (on average) of up to 64 rows per expert.
-# With the Triton kernel waiting for each K step's products before expanding the next (moe/gemm_nvfp4_kernel.py,
-# _retired), this kernel ran 32 experts' masked calls at 64 rows 1.4-1.55x faster than it (K-permuted bytes; split
-# bits 1.5-1.65x) and 0.85-0.89x at 128, and fused_moe for DeepSeek-V3's layer 1.5-2.6x faster at 16-32 rows per
-# expert on average and 1.2-1.5x at 64 (one H200, docs/perf-notes.md). A group larger than a tile runs as several tiles, each
-# reading the CTA's weight rows again (from L2).
-MAX_CAPACITY = 64
-MAX_MEAN_ROWS = 64
+TILES = (8, 16, 32, 64, 128, 256)  # tokens per CTA tile (wgmma's N); 128 and 256: the prefill tiles
+# It takes every group size: on an H100 (2026-11-28) it led the Triton kernel (which waits for each K step's
+# products before expanding the next, moe/gemm_nvfp4_kernel.py, _retired) at every size measured, 8 to 4096 rows
+# per expert (split bits, same run): 1.45-1.75x at 8-64 rows (masked), 1.04-1.1x at 128 (the 128-token tile),
+# 1.3-1.45x at 160-256, 1.0-1.4x at 384 and 1.27-1.44x at 512-4096 (contiguous), docs/perf.md. A group larger than a
+# tile runs as several tiles, side by side where the groups' mean size fills them (else one CTA after the other),
+# each reading the CTA's weight rows again (from L2).
 MAX_EXPERTS = 65535  # one grid row per expert
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -57,13 +56,9 @@ def tile_for(group_rows: int) -> int:
 
 
 def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacity: int, act: int, kperm: bool) -> bool:
-    """Whether the kernel takes the call: sm_90, K-permuted weights, decode-sized groups (a masked capacity up to
-    ``MAX_CAPACITY``; contiguous groups of up to ``MAX_MEAN_ROWS`` rows on average), bf16 activations, weight rows
-    (and GEMM1's output columns) a multiple of 64, dense operands with 16-byte aligned activations."""
+    """Whether the kernel takes the call: sm_90, K-permuted weights, bf16 activations, weight rows (and GEMM1's
+    output columns) a multiple of 64, dense operands with 16-byte aligned activations and outputs."""
     if envs.gemm_backend() == "triton" or not kperm:
-        return False
-    group_rows = _rows_per_expert(a.shape[0], w.shape[0], capacity if offsets is None else None)
-    if group_rows > (MAX_CAPACITY if offsets is None else MAX_MEAN_ROWS):
         return False
     if a.dtype != torch.bfloat16 or out.dtype not in (torch.bfloat16, torch.float32):
         return False
@@ -74,7 +69,7 @@ def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacit
         return False
     if not (a.is_contiguous() and w.is_contiguous() and out.is_contiguous()):
         return False
-    return a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+    return a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
 
 
 def launch(

@@ -10,8 +10,9 @@
 // rows are the 64-row M side, the few tokens the N side), so every weight is expanded exactly once, by the
 // thread whose registers wgmma reads it from, and no expanded weight passes through shared memory. The
 // K-permuted layout puts each thread's bytes of one 64-deep span together: one 8-byte shared-memory load per row
-// and span. (Measured on an H200 with split bits it leads the Triton kernel up to 64 rows per expert and trails it
-// at 128; moe/gemm_nvfp4_sm90.py routes accordingly, docs/perf.md.)
+// and span. Its fragments can be double-buffered, so that a span's expansion overlaps the previous span's
+// products, which the Triton kernel cannot do: with the prefill tiles (128 and 256 tokens) it leads the Triton
+// kernel at every group size (moe/gemm_nvfp4_sm90.py, docs/perf.md).
 //
 // Expansion: a byte-permute lookup turns four bytes into four bf16x2 (two tables of the bf16 high and low
 // bytes of the eight E2M1 magnitudes, the sign bits replicated into the high bytes), then one bf16x2 multiply
@@ -22,11 +23,12 @@
 //
 // Structure: two warpgroups per CTA (four for 64-token tiles without the activation), 64 weight rows each (with an
 // activation: the first half of the warpgroups the gate rows, the second half their up rows, the up accumulators passed
-// to the gate warpgroups through shared memory at the end), one CTA per (column block, expert), looping over the
-// group's token tiles (one at decode). A ring of shared-memory stages, each 256 K of the activations (wgmma's B
-// operand: 128-byte swizzled rows), the CTA's weight rows and their block scales, is filled with cp.async by the whole
-// CTA, or from 32-token tiles on by TMA boxes that one thread issues. At 8-16 tokens the integer pipe (the
-// expansion's masks and shifts) and the weight stream set the time; at 64 tokens, latency (docs/perf.md and
+// to the gate warpgroups through shared memory at the end), CTAs per (column block, expert) along the group's token
+// tiles as many as its mean size fills, each looping over every such tile (one at decode). A ring of shared-memory
+// stages, each 256 K (prefill tiles: 128) of the activations (wgmma's B operand: 128-byte swizzled rows), the CTA's
+// weight rows and their block scales, is filled with cp.async by the whole CTA, or from 32-token tiles on by TMA boxes
+// that one thread issues. At 8-16 tokens the integer pipe (the expansion's masks and shifts) and the weight stream
+// set the time; at 64 tokens, latency; at prefill, the tensor pipe and the stages' latency (docs/perf.md and
 // docs/perf-notes.md have the profiles).
 
 #include <cuda_bf16.h>
@@ -34,6 +36,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -43,17 +46,22 @@
 namespace fim {
 namespace sm90_nvfp4 {
 
-constexpr int kStageK = 256;  // K of one activation stage (four 64-deep spans)
-[[maybe_unused]] constexpr int kSpansPerStage = kStageK / 64;
-// Per CTA of W warpgroups (64 weight rows each): a stage's weight bytes, their block scales, and those scales as
-// duplicated bf16 pairs (scale_pairs).
-__host__ __device__ constexpr int w_stage_bytes(int w) { return 64 * w * kStageK / 2; }
-__host__ __device__ constexpr int s_stage_bytes(int w) { return 64 * w * kStageK / 16; }
-__host__ __device__ constexpr int pair_bytes(int w) { return 64 * w * kStageK / 16 * 4; }
+// The prefill tiles: 128 and 256 tokens a CTA (256: wgmma's largest N), so that each expanded weight serves that
+// many products; one CTA an SM, the stages refilled late (kLate), the output staged through shared memory.
+__host__ __device__ constexpr bool prefill_tile(int t) { return t >= 128; }
+// K of one shared-memory stage of T-token tiles: 256 (four 64-deep spans), except for the prefill tiles, whose
+// activations alone would take 64-128 KB a stage at that depth: 128 there (3 or 5 stages in the SM's shared memory).
+__host__ __device__ constexpr int stage_k(int t) { return prefill_tile(t) ? 128 : 256; }
+// Per CTA of W warpgroups (64 weight rows each) and stage K sk: a stage's weight bytes, their block scales, and
+// those scales as duplicated bf16 pairs (scale_pairs).
+__host__ __device__ constexpr int w_stage_bytes(int w, int sk) { return 64 * w * sk / 2; }
+__host__ __device__ constexpr int s_stage_bytes(int w, int sk) { return 64 * w * sk / 16; }
+__host__ __device__ constexpr int pair_bytes(int w, int sk) { return 64 * w * sk / 16 * 4; }
 // Warpgroups per CTA for T-token tiles: 4 for the 64-token tile without the activation, whose stages take the SM's
 // shared memory alone (16 warps to hide its latencies instead of 8, and each activation stage read for 256 weight
 // rows, not 128: measured 10% faster on an H100), else 2 (the gated 64-token tile with four, correct in the GPU
-// tests, has not been timed).
+// tests, has not been timed; the prefill tiles' 64 or 128 accumulators a thread leave room for
+// no more).
 template <int T, bool GATED>
 constexpr int warpgroups_for() {
   return T == 64 && !GATED ? 4 : 2;
@@ -61,7 +69,7 @@ constexpr int warpgroups_for() {
 // Bytes of one stage of T-token tiles (activations, weights, block scales), and the output columns of a CTA (GATED:
 // half its weight rows are up rows), for the kernel and its launch alike.
 __host__ __device__ constexpr int stage_bytes(int t, int w) {
-  return t * kStageK * 2 + w_stage_bytes(w) + s_stage_bytes(w);
+  return t * stage_k(t) * 2 + w_stage_bytes(w, stage_k(t)) + s_stage_bytes(w, stage_k(t));
 }
 __host__ __device__ constexpr int cols_per_cta(int w, bool gated) { return gated ? 32 * w : 64 * w; }
 // Whether T-token tiles take their stages by TMA (ParamsTma, mbarriers) instead of cp.async: from 32 tokens on (at 64
@@ -177,26 +185,95 @@ __device__ __forceinline__ float gated(float gate, float up, int act, float alph
   return g / (1.0f + __expf(-alpha * g)) * (u + 1.0f);
 }
 
+// The prefill tiles' bf16 output: the accumulators (times the global scale; GATED: the gate warpgroup's, through
+// the activation with the up warpgroup's passed in shared memory) stored transposed into a [T, kCols] tile in shared
+// memory by stmatrix, then written out by the whole CTA in 16-byte row pieces (its scalar stores of 2 bytes, four
+// rows a warp instruction, cost a tenth of a K = 2048 tile's time). Every stage has been read (the caller's barrier).
+template <int T, int W, bool GATED>
+__device__ __forceinline__ void epilogue_staged(const Params& p, float (&acc)[T / 2], uint32_t base, float g0, float g1,
+                                                int64_t out_row0, int rows, bool active) {
+  constexpr int R = T / 2, kCols = cols_per_cta(W, GATED), kThreads = 128 * W;
+  // Rows padded by 16 bytes: a transposed 8 x 8 matrix's eight rows then fall into different banks.
+  constexpr int kPitch = kCols * 2 + 16;
+  static_assert(!GATED || W == 2, "the gate and up rows are one warpgroup each");
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const bool up_rows = GATED && wg == 1;
+  // GATED: the exchange takes [0, R * 512) of the stages, the output tile the bytes after it.
+  const uint32_t tile = base + (GATED ? R * 512 : 0);
+  if constexpr (GATED) {
+    const uint32_t xchg = base + 4 * (threadIdx.x & 127);
+    if (up_rows && active) {
+#pragma unroll
+      for (int i = 0; i < R; ++i) sts(xchg + 512 * i, __float_as_uint(acc[i]));
+    }
+    __syncthreads();
+    if (!up_rows && active) {
+#pragma unroll
+      for (int i = 0; i < R; ++i) acc[i] = gated(acc[i] * g0, lds(xchg + 512 * i) * g1, p.act, p.alpha, p.limit);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] *= g0;
+  }
+  if (active && !up_rows) {
+    // Matrix (j, h): output columns warp * 16 + 8 h + (0..7) of the warpgroup's, tokens 8 j + (0..7); this thread's
+    // pair of it is acc[4 j + 2 h], acc[4 j + 2 h + 1]. One stmatrix takes (j, 0), (j, 1), (j + 1, 0), (j + 1, 1).
+    const int m = lane >> 3;
+    const uint32_t addr =
+        tile + ((m >> 1) * 8 + (lane & 7)) * kPitch + ((GATED ? 0 : wg * 64) + warp * 16 + 8 * (m & 1)) * 2;
+#pragma unroll
+    for (int j = 0; j < T / 8; j += 2)
+      stmatrix_x4_trans(addr + 8 * j * kPitch, bf16x2_of(acc[4 * j], acc[4 * j + 1]),
+                        bf16x2_of(acc[4 * j + 2], acc[4 * j + 3]), bf16x2_of(acc[4 * j + 4], acc[4 * j + 5]),
+                        bf16x2_of(acc[4 * j + 6], acc[4 * j + 7]));
+  }
+  __syncthreads();
+  constexpr int kChunks = kCols / 8;  // 16-byte pieces of a row
+  const int col_cta = blockIdx.x * kCols;
+  auto* out = static_cast<__nv_bfloat16*>(p.out);
+  for (int i = threadIdx.x; i < T * kChunks; i += kThreads) {
+    const int t = i / kChunks, c = i % kChunks;
+    if (t >= rows || col_cta + 8 * c >= p.n_out) continue;
+    stg128(out + (out_row0 + t) * p.n_out + col_cta + 8 * c, lds128(tile + t * kPitch + 16 * c));
+  }
+  __syncthreads();  // the tile read before the next tile's stages land
+}
+
 #endif
 
 // T: tokens per tile (wgmma's N); W: warpgroups (64 weight rows each; GATED: the first W / 2 hold gate rows, the
 // others their up rows, in the same order); STAGES: shared-memory stages, each the activations, weights and scales
-// of 256 K; SPLIT: split-bits weights.
+// of stage_k(T) K; SPLIT: split-bits weights.
 template <int T, int W, bool GATED, int STAGES, bool SPLIT>
-__global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
+__global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
     nvfp4_grouped_kernel(const __grid_constant__ ParamsFor<T> p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kThreads = 128 * W, kRowsCta = 64 * W;
-  constexpr int kWStageBytes = w_stage_bytes(W);
+  constexpr int SK = stage_k(T), kSpans = SK / 64;  // a stage's K and its 64-deep spans
+  static_assert(SK == 128 || SK == 256, "a scale row per stage is 8 or 16 bytes");
+  // A weight row's bytes, block scales and scale-pair bytes per stage.
+  constexpr int kWRow = SK / 2, kSRow = SK / 16, kPRow = SK / 4;
+  constexpr int kWStageBytes = w_stage_bytes(W, SK);
   constexpr int kCols = cols_per_cta(W, GATED);
   constexpr int R = T / 2;  // accumulator floats per thread
   constexpr float kScaleFactor = SPLIT ? 0x1p118f : 1.0f, kUnscale = SPLIT ? 256.0f : 1.0f;
   // Fragment buffers: with two, a span's expansion runs while the previous span's wgmma group is in flight
   // (ptxas would otherwise give every span's fragments the same registers, see the span loop). Only for 8-token
-  // tiles without the activation: elsewhere the extra 16 registers per thread, at the 128 that two CTAs per SM (or
-  // 512 threads) allow, measured slower (the gated 8-token tile 266 against 236 us, docs/perf-notes.md).
-  constexpr int kBufs = (T == 8 && !GATED) ? 2 : 1;
-  constexpr int kXBytes = T * kStageK * 2;
+  // tiles without the activation, and for the prefill tiles, whose products are long enough to hide a span's
+  // expansion whole: elsewhere the extra 16 registers per thread, at the 128 that two CTAs per SM (or 512 threads)
+  // allow, measured slower (the gated 8-token tile 266 against 236 us; every decode tile with two, on an H100: no
+  // faster at 8 rows, 0.9-1.0x at 16-64, docs/perf-notes.md).
+  constexpr int kBufs = (T == 8 && !GATED) || prefill_tile(T) ? 2 : 1;
+  constexpr int kXBytes = T * SK * 2;
+  // The prefill tiles refill a stage's buffer in the middle of the next stage (after its first span's products
+  // were issued and the last stage's have completed), not at its start: STAGES - 1 stages ahead instead of
+  // STAGES - 2, which makes the difference between one stage and two where three stages are all that fit (T = 256:
+  // 1.05-1.13x faster on an H100, docs/perf-notes.md).
+  constexpr bool kLate = prefill_tile(T);
+  static_assert(!kLate || (kSpans == 2 && kBufs == 2 && W == 2), "two spans a stage, two fragment buffers");
+  // ... and each thread copies one 4-byte piece of the block scales, of a row of its own warpgroup (thread t: row
+  // t / 2), so that a warpgroup barrier makes a stage's scales visible to the warpgroup that converts them.
+  static_assert(!kLate || kRowsCta * kSRow / 4 == kThreads, "one scale copy a thread");
   constexpr int kStageBytes = stage_bytes(T, W);
   constexpr bool kTma = tma_tiles(T);  // the stages by TMA boxes that one thread issues
   extern __shared__ uint8_t smem_raw[];
@@ -219,7 +296,7 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
   const int col0 = blockIdx.x * kCols + (GATED ? wg % (W / 2) : wg) * 64;
   const bool active = col0 < p.n_out;  // uniform per warpgroup
   const int half_k = p.k >> 1, groups = p.k >> 4, spans = p.k >> 6;
-  const int stages = (p.k + kStageK - 1) / kStageK;
+  const int stages = (p.k + SK - 1) / SK;
   const uint8_t* w_e = p.w + static_cast<int64_t>(e) * p.nw * half_k;
   const uint8_t* s_e = p.scale + static_cast<int64_t>(e) * p.nw * groups;
 
@@ -231,19 +308,21 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
   // This thread's two local rows (wgmma's rows lane / 4 and lane / 4 + 8 of its warp's 16); both have the
   // same residue modulo 4, which the weight stage's swizzle uses.
   const int lr0 = wg * 64 + warp * 16 + (lane >> 2);
-  // Shared-memory offsets of this thread's weight bytes and scales within a stage (rows lr0 and lr0 + 8 are 1024
-  // and 128 bytes further), and the low word of the descriptor of stage 0's first activation atom. The 32 bytes of
-  // span d of row lr: cp.async puts them at 32 (d ^ lr % 4) (this thread's 8 at 8 q in them); the TMA's swizzle
-  // puts 16-byte chunk c at c ^ lr % 8 (this thread's 8 bytes in chunk 2 d + q / 2, at 8 (q % 2)).
-  const uint32_t w_thread = kXBytes + lr0 * 128 + (kTma ? 8 * (q & 1) : 8 * q);
-  const uint32_t w_swz = kTma ? lr0 & 7 : lr0 & 3;
-  // This thread's converted scale pairs (row lr0 + 8 j is 512 bytes further), and the raw scales it converts
-  // for its warpgroup each stage (row wg * 64 + t / 2, groups 8 (t % 2) ... + 7, t its index in the warpgroup).
-  const uint32_t pairs = base + STAGES * kStageBytes;  // pair_bytes(W)
-  const uint32_t s_thread = pairs + lr0 * 64;
+  // Shared-memory offsets of this thread's weight bytes and scales within a stage (rows lr0 and lr0 + 8 are 8 kWRow
+  // and 8 kPRow bytes further), and the low word of the descriptor of stage 0's first activation atom. The 32 bytes
+  // of span d of row lr: cp.async (SK 256) puts them at 32 (d ^ lr % 4) (this thread's 8 at 8 q in them); the TMA's
+  // swizzle (as wide as a row, kWRow bytes) puts 16-byte chunk c at c ^ ((kWRow lr / 128) % (kWRow / 16)) (this
+  // thread's 8 bytes in chunk 2 d + q / 2, at 8 (q % 2)).
+  const uint32_t w_thread = kXBytes + lr0 * kWRow + (kTma ? 8 * (q & 1) : 8 * q);
+  const uint32_t w_swz = kTma ? ((lr0 * kWRow) >> 7) & (kWRow / 16 - 1) : lr0 & 3;
+  // This thread's converted scale pairs (row lr0 + 8 j is 8 kPRow bytes further), and the raw scales it converts
+  // for its warpgroup each stage (row wg * 64 + t / 2, its half of the row's groups by t % 2, t its index in the
+  // warpgroup).
+  const uint32_t pairs = base + STAGES * kStageBytes;  // pair_bytes(W, SK)
+  const uint32_t s_thread = pairs + lr0 * kPRow;
   // kTma: [STAGES] mbarriers, a stage's TMA boxes landed, after the pairs; bit s of `phases` the parity of stage s's
   // next wait.
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + (pairs + pair_bytes(W) - smem_u32(smem_raw)));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + (pairs + pair_bytes(W, SK) - smem_u32(smem_raw)));
   uint32_t phases = 0;
   if constexpr (kTma) {
     if (threadIdx.x == 0) {
@@ -262,11 +341,12 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
   const Tables tables{__ldg(kTables), __ldg(kTables + 1), __ldg(kTables + 2), __ldg(kTables + 3)};
 
   // This thread's copies of every stage, fixed for the CTA (weights: 128 rows x 8 chunks of 16 bytes; scales:
-  // 128 rows x 4 copies of 4 bytes, a row's scales being only 4-byte aligned), advanced by one stage's bytes
-  // per stage. Chunk c of weight row lr lands at c ^ 2 (lr % 4), so that a half-warp's four rows read four
+  // the rows x kSRow / 4 copies of 4 bytes, a row's scales being only 4-byte aligned), advanced by one stage's
+  // bytes per stage. Chunk c of weight row lr lands at c ^ 2 (lr % 4), so that a half-warp's four rows read four
   // different bank ranges.
   // kTma: only the scales, where the TMA does not bring them.
-  constexpr int kWCopies = kTma ? 0 : kRowsCta * 8 / kThreads, kSCopies = kRowsCta * 4 / kThreads;
+  static_assert(kTma || SK == 256, "the weights' cp.async layout is that of 256-deep stages");
+  constexpr int kWCopies = kTma ? 0 : kRowsCta * 8 / kThreads, kSCopies = kRowsCta * (kSRow / 4) / kThreads;
   constexpr int kXCopies = kTma ? 0 : T * 32 / kThreads;
   const uint8_t* w_src[kWCopies > 0 ? kWCopies : 1];
   uint32_t w_dst[kWCopies > 0 ? kWCopies : 1];
@@ -284,22 +364,22 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
   int s_lim[kSCopies];
 #pragma unroll
   for (int m = 0; m < kSCopies; ++m) {
-    const int i = threadIdx.x + m * kThreads, lr = i >> 2, c = i & 3;
+    const int i = threadIdx.x + m * kThreads, lr = i / (kSRow / 4), c = i % (kSRow / 4);
     const int wr = weight_row(lr);
     s_src[m] = wr >= 0 ? s_e + static_cast<int64_t>(wr) * groups + 4 * c : p.scale;
-    s_dst[m] = kXBytes + kWStageBytes + lr * 16 + 4 * c;
+    s_dst[m] = kXBytes + kWStageBytes + lr * kSRow + 4 * c;
     s_lim[m] = wr >= 0 ? groups - 4 * c : 0;
   }
   int tma_wgs = 0;  // kTma: warpgroups with weight rows (the others' boxes are not loaded)
   bool scales_by_tma = false;
   if constexpr (kTma) {
     for (int w = 0; w < W; ++w) tma_wgs += weight_row(64 * w) >= 0;
-    scales_by_tma = p.s_tma;
+    scales_by_tma = p.s_tma && SK == 256;  // the TMA's boxes are 16 bytes wide at least
   }
 
   // A group larger than a tile runs as several tiles, one after the other, each reading this CTA's weight rows
   // again (from L2 after the first).
-  for (int t0 = 0; t0 < count; t0 += T) {
+  for (int t0 = blockIdx.z * T; t0 < count; t0 += gridDim.z * T) {
     // Activations: T rows x 32 chunks of 16 bytes per stage, 128-byte swizzled per 64-K atom (wgmma's B); rows
     // past the group are zero-filled.
     const __nv_bfloat16* x_src[kXCopies > 0 ? kXCopies : 1];
@@ -316,25 +396,26 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
     auto load_stage = [&](int s) {
       if (s < stages) {
         const uint32_t buf = base + (s % STAGES) * kStageBytes;
-        const int k0 = s * kStageK;
+        const int k0 = s * SK;
         if constexpr (kTma) {
           if (threadIdx.x == 0) {
-            // Four [T, 64] boxes of activations (rows past the group hold other groups' rows or, past the tensor,
+            // kSpans [T, 64] boxes of activations (rows past the group hold other groups' rows or, past the tensor,
             // zeros: either reaches only output columns that are not stored) and each active warpgroup's weight rows
             // (and scales); the generic reads of this buffer ended at the barrier before.
             uint64_t* bar = &full[s % STAGES];
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            sm90_wgmma::bar_expect_tx(bar, kXBytes + tma_wgs * 64 * (128 + (scales_by_tma ? 16 : 0)));
+            sm90_wgmma::bar_expect_tx(bar, kXBytes + tma_wgs * 64 * (kWRow + (scales_by_tma ? kSRow : 0)));
             uint8_t* dst = smem_raw + (buf - smem_u32(smem_raw));
 #pragma unroll
-            for (int a4 = 0; a4 < 4; ++a4)
+            for (int a4 = 0; a4 < kSpans; ++a4)
               sm90_wgmma::tma_load(dst + a4 * T * 128, &p.map_a, bar, k0 + 64 * a4, static_cast<int>(first_row + t0));
             for (int w = 0; w < W; ++w) {
               const int wr = weight_row(64 * w);
               if (wr < 0) continue;
-              sm90_wgmma::tma_load(dst + kXBytes + w * 8192, &p.map_w, bar, k0 >> 1, e * p.nw + wr);
+              sm90_wgmma::tma_load(dst + kXBytes + w * 64 * kWRow, &p.map_w, bar, k0 >> 1, e * p.nw + wr);
               if (scales_by_tma)
-                sm90_wgmma::tma_load(dst + kXBytes + kWStageBytes + w * 1024, &p.map_s, bar, k0 >> 4, e * p.nw + wr);
+                sm90_wgmma::tma_load(dst + kXBytes + kWStageBytes + w * 64 * kSRow, &p.map_s, bar, k0 >> 4,
+                                     e * p.nw + wr);
             }
           }
         }
@@ -360,7 +441,7 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
     };
 
 #pragma unroll
-    for (int s = 0; s < STAGES - 2; ++s) load_stage(s);
+    for (int s = 0; s < STAGES - 2 + kLate; ++s) load_stage(s);
 
     float acc[R];
 #pragma unroll
@@ -368,13 +449,20 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
     uint32_t af[kBufs][4][4] = {};
 
     for (int st = 0; st < stages; ++st) {
-      // Stage st - 2's buffer is refilled below: every warpgroup's wgmma groups but the last (on stage st - 1)
-      // have completed once each thread passes this wait and the barrier.
-      wgmma_wait<kBufs - 1>();
-      cp_async_wait<STAGES - 3>();
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> wgmma's reads
-      __syncthreads();
-      load_stage(st + STAGES - 2);
+      if constexpr (kLate) {
+        // Stage st's scales, copied by this warpgroup's own threads, have landed; its threads are done with the
+        // previous stage's scale pairs.
+        cp_async_wait<STAGES - 2>();
+        warpgroup_sync(wg);
+      } else {
+        // Stage st - 2's buffer is refilled below: every warpgroup's wgmma groups but the last (on stage st - 1)
+        // have completed once each thread passes this wait and the barrier.
+        wgmma_wait<kBufs - 1>();
+        cp_async_wait<STAGES - 3>();
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> wgmma's reads
+        __syncthreads();
+        load_stage(st + STAGES - 2);
+      }
       if constexpr (kTma) {
         sm90_wgmma::bar_wait(&full[st % STAGES], (phases >> (st % STAGES)) & 1);
         phases ^= 1u << (st % STAGES);
@@ -385,15 +473,22 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
         // The warpgroup's block scales of this stage, each converted once into the pairs its bf16x2 multiplies
         // take (converted by every thread that reads them, they cost 20 of a span's ~75 integer-pipe
         // instructions, the pipe that sets the time).
-        const uint2 raw = lds64(buf + kXBytes + kWStageBytes + conv_row * 16 + 8 * conv_half);
+        const uint32_t raw_addr = buf + kXBytes + kWStageBytes + conv_row * kSRow + (kSRow / 2) * conv_half;
+        const uint32_t dst = pairs + conv_row * kPRow + (kPRow / 2) * conv_half;
         uint32_t pr[8];
-        scale_pairs(raw.x, kScaleFactor, pr[0], pr[1]);
-        scale_pairs(raw.x >> 16, kScaleFactor, pr[2], pr[3]);
-        scale_pairs(raw.y, kScaleFactor, pr[4], pr[5]);
-        scale_pairs(raw.y >> 16, kScaleFactor, pr[6], pr[7]);
-        const uint32_t dst = pairs + conv_row * 64 + 32 * conv_half;
+        if constexpr (SK == 256) {
+          const uint2 raw = lds64(raw_addr);
+          scale_pairs(raw.x, kScaleFactor, pr[0], pr[1]);
+          scale_pairs(raw.x >> 16, kScaleFactor, pr[2], pr[3]);
+          scale_pairs(raw.y, kScaleFactor, pr[4], pr[5]);
+          scale_pairs(raw.y >> 16, kScaleFactor, pr[6], pr[7]);
+          sts128(dst + 16, pr[4], pr[5], pr[6], pr[7]);
+        } else {
+          const uint32_t raw = lds32(raw_addr);
+          scale_pairs(raw, kScaleFactor, pr[0], pr[1]);
+          scale_pairs(raw >> 16, kScaleFactor, pr[2], pr[3]);
+        }
         sts128(dst, pr[0], pr[1], pr[2], pr[3]);
-        sts128(dst + 16, pr[4], pr[5], pr[6], pr[7]);
         if constexpr (W == 2) {
           warpgroup_sync(wg);
         } else {
@@ -402,8 +497,15 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
       }
       const uint32_t desc_stage = desc_lo0 + ((st % STAGES) * kStageBytes >> 4);
 #pragma unroll
-      for (int d = 0; d < kSpansPerStage; ++d) {
-        const int i = st * kSpansPerStage + d, b = kBufs == 2 ? (d & 1) : 0;
+      for (int d = 0; d < kSpans; ++d) {
+        const int i = st * kSpans + d, b = kBufs == 2 ? (d & 1) : 0;
+        if (kLate && d == 1) {
+          // Every group on stage st - 1 has completed (span 0's wait below, in each warpgroup): its buffer takes
+          // stage st + 2, which so has a stage and a half to land.
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          __syncthreads();
+          load_stage(st + STAGES - 1);
+        }
         if (!active || i >= spans) continue;
         // The group that last read af[b] has completed (with one buffer: the previous span's, waited for here,
         // since ptxas gives every span's fragments the same registers; with two: the span before, waited for
@@ -413,8 +515,8 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
         const uint32_t w_span = w_addr + (kTma ? ((2 * d + (q >> 1)) ^ w_swz) << 4 : (d ^ w_swz) << 5);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const uint2 wv = lds64(w_span + 1024 * j);
-          const uint4 sp = lds128(s_thread + 512 * j + 16 * d);  // groups 4 d ... 4 d + 3
+          const uint2 wv = lds64(w_span + 8 * kWRow * j);
+          const uint4 sp = lds128(s_thread + 8 * kPRow * j + 16 * d);  // groups 4 d ... 4 d + 3
           uint32_t o[4];
           if constexpr (SPLIT) {
             expand4_split(wv.x, sp.x, sp.y, o[0], o[1], o[2], o[3]);
@@ -456,6 +558,13 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
     __syncthreads();  // every stage read: the gated exchange below and the next tile reuse the buffers
 
     const float g0 = __ldg(p.gscale + e * p.gscale_stride) * kUnscale;
+    if constexpr (prefill_tile(T)) {
+      if (!p.out_f32) {
+        const float g1 = GATED ? __ldg(p.gscale + e * p.gscale_stride + p.gscale_stride - 1) * kUnscale : 0.0f;
+        epilogue_staged<T, W, GATED>(p, acc, base, g0, g1, first_row + t0, count - t0, active);
+        continue;
+      }
+    }
     if constexpr (GATED) {
       // The up rows' accumulators go to their gate warpgroup through shared memory, [i][thread] (no bank conflicts).
       const uint32_t xchg = base + (wg % (W / 2)) * (R * 512) + 4 * (threadIdx.x & 127);
@@ -503,42 +612,48 @@ __global__ void __launch_bounds__(128 * W, W == 4 ? 1 : 2)
 }
 
 // Stages: as many as fit beside another resident CTA (two per SM; three measured slower: the grids of decode shapes
-// fall into fewer, less full waves), at least 3; the 64-token tile's CTA of four warpgroups takes the SM's shared
-// memory alone.
+// fall into fewer, less full waves), at least 3; the 64-token tile's CTA of four warpgroups and the prefill tiles'
+// take the SM's shared memory alone.
 template <int T, bool GATED>
 constexpr int stages_for() {
   constexpr int W = warpgroups_for<T, GATED>();
-  constexpr int fit = ((W == 4 ? 226 : 110) * 1024 - pair_bytes(W) - (tma_tiles(T) ? 8 * 8 : 0)) / stage_bytes(T, W);
+  constexpr int budget = (W == 4 || prefill_tile(T) ? 226 : 110) * 1024;
+  constexpr int fit = (budget - pair_bytes(W, stage_k(T)) - (tma_tiles(T) ? 8 * 8 : 0)) / stage_bytes(T, W);
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
 }
 
 template <int T, bool GATED, bool SPLIT>
-cudaError_t launch(const ParamsTma& p, int grid_rows, cudaStream_t stream) {
+cudaError_t launch(const ParamsTma& p, int grid_rows, int grid_tiles, cudaStream_t stream) {
   constexpr int W = warpgroups_for<T, GATED>(), kStages = stages_for<T, GATED>();
   // The stages, the scale pairs, the stages' mbarriers (TMA), alignment. Not a byte more for the smaller tiles: two
   // CTAs of 8-token tiles fill the 196 KB shared-memory carveout exactly, and 32 bytes more each (the next carveout,
   // 228 KB, leaves L1 28 KB instead of 60) made them 1.06x slower on an H200.
-  constexpr int kSmem = kStages * stage_bytes(T, W) + pair_bytes(W) + (tma_tiles(T) ? 8 * kStages : 0) + 1024;
+  constexpr int kSmem =
+      kStages * stage_bytes(T, W) + pair_bytes(W, stage_k(T)) + (tma_tiles(T) ? 8 * kStages : 0) + 1024;
   constexpr int kCols = cols_per_cta(W, GATED);
   cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, W, GATED, kStages, SPLIT>>(kSmem);
   if (err != cudaSuccess) return err;
-  const dim3 grid((p.n_out + kCols - 1) / kCols, grid_rows);
+  const dim3 grid((p.n_out + kCols - 1) / kCols, grid_rows, grid_tiles);
   nvfp4_grouped_kernel<T, W, GATED, kStages, SPLIT>
       <<<grid, 128 * W, kSmem, stream>>>(static_cast<const ParamsFor<T>&>(p));
   return cudaGetLastError();
 }
 
 template <bool GATED, bool SPLIT>
-cudaError_t launch_tile(const ParamsTma& p, int grid_rows, int tile, cudaStream_t stream) {
+cudaError_t launch_tile(const ParamsTma& p, int grid_rows, int grid_tiles, int tile, cudaStream_t stream) {
   switch (tile) {
     case 8:
-      return launch<8, GATED, SPLIT>(p, grid_rows, stream);
+      return launch<8, GATED, SPLIT>(p, grid_rows, grid_tiles, stream);
     case 16:
-      return launch<16, GATED, SPLIT>(p, grid_rows, stream);
+      return launch<16, GATED, SPLIT>(p, grid_rows, grid_tiles, stream);
     case 32:
-      return launch<32, GATED, SPLIT>(p, grid_rows, stream);
+      return launch<32, GATED, SPLIT>(p, grid_rows, grid_tiles, stream);
     case 64:
-      return launch<64, GATED, SPLIT>(p, grid_rows, stream);
+      return launch<64, GATED, SPLIT>(p, grid_rows, grid_tiles, stream);
+    case 128:
+      return launch<128, GATED, SPLIT>(p, grid_rows, grid_tiles, stream);
+    case 256:
+      return launch<256, GATED, SPLIT>(p, grid_rows, grid_tiles, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -551,8 +666,9 @@ cudaError_t encode_maps(ParamsTma& p, int rows, int tile) {
   const bool ok =
       sm90::encode_2d(&p.map_a, p.a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.k, rows, 64, tile,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_128B) &&
-      sm90::encode_2d(&p.map_w, p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.k / 2, experts_rows, 128, 64,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B) &&
+      sm90::encode_2d(&p.map_w, p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.k / 2, experts_rows, stage_k(tile) / 2, 64,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      stage_k(tile) == 256 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B) &&
       (!p.s_tma || sm90::encode_2d(&p.map_s, p.scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.k / 16, experts_rows, 16, 64,
                                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_SWIZZLE_NONE));
   if (!ok) return sm90::tensor_map_encoder() == nullptr ? cudaErrorNotSupported : cudaErrorInvalidValue;
@@ -560,19 +676,19 @@ cudaError_t encode_maps(ParamsTma& p, int rows, int tile) {
 }
 
 template <bool SPLIT>
-cudaError_t launch_act(const ParamsTma& p, int grid_rows, int tile, cudaStream_t stream) {
-  return p.act ? launch_tile<true, SPLIT>(p, grid_rows, tile, stream)
-               : launch_tile<false, SPLIT>(p, grid_rows, tile, stream);
+cudaError_t launch_act(const ParamsTma& p, int grid_rows, int grid_tiles, int tile, cudaStream_t stream) {
+  return p.act ? launch_tile<true, SPLIT>(p, grid_rows, grid_tiles, tile, stream)
+               : launch_tile<false, SPLIT>(p, grid_rows, grid_tiles, tile, stream);
 }
 
 }  // namespace sm90_nvfp4
 }  // namespace fim
 
-// tile: tokens per CTA tile (8, 16, 32 or 64); act 0 (none: out [rows, nw]) or 1/2 (gated: out [rows, nw / 2]);
-// split_bits: the weights' words have split bits (moe/packed_nvfp4.py), else they are K-permuted bytes;
-// offsets null for the masked layout (capacity C), else the contiguous layout's group starts, non-decreasing
-// (capacity: a bound); rows: the rows of a (at least 1). K a multiple of 64, nw (and nw / 2 when gated) a
-// multiple of 64, all pointers 16-byte aligned.
+// tile: tokens per CTA tile (8, 16, 32, 64, 128 or 256); act 0 (none: out [rows, nw]) or 1/2 (gated: out [rows, nw /
+// 2]); split_bits: the weights' words have split bits (moe/packed_nvfp4.py), else they are K-permuted bytes; offsets
+// null for the masked layout (capacity C), else the contiguous layout's group starts, non-decreasing (capacity: a
+// bound); rows: the rows of a (at least 1). K a multiple of 64, nw (and nw / 2 when gated) a multiple of 64, all
+// pointers 16-byte aligned.
 extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const void* scale, const float* gscale,
                                             int gscale_stride, const int32_t* counts, const int32_t* offsets, void* out,
                                             int out_f32, int num_experts, int rows, int capacity, int nw, int k,
@@ -605,5 +721,12 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
   }
   const auto s = static_cast<cudaStream_t>(stream);
   const int grid_rows = row_map ? rows : num_experts;
-  return split_bits ? launch_act<true>(p, grid_rows, tile, s) : launch_act<false>(p, grid_rows, tile, s);
+  // CTAs per (column block, expert) along the tokens, each taking every grid_tiles-th tile of its group: as many as
+  // an expert's mean rows fill (masked: the capacity), so that balanced prefill groups spread over the whole GPU
+  // while the CTAs of small or uneven groups loop instead of idling.
+  const int64_t mean_rows = offsets ? (static_cast<int64_t>(rows) + num_experts - 1) / num_experts : capacity;
+  const int64_t bound = std::min<int64_t>(mean_rows, capacity);
+  const int grid_tiles = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((bound + tile - 1) / tile, 65535)));
+  return split_bits ? launch_act<true>(p, grid_rows, grid_tiles, tile, s)
+                    : launch_act<false>(p, grid_rows, grid_tiles, tile, s);
 }
