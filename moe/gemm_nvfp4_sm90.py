@@ -36,9 +36,10 @@ TILES = (8, 16, 32, 64, 128, 256)  # tokens per CTA tile (wgmma's N); 128 and 25
 # It takes every group size: on an H100 (2026-11-28) it led the Triton kernel (which waits for each K step's
 # products before expanding the next, moe/gemm_nvfp4_kernel.py, _retired) at every size measured, 8 to 4096 rows
 # per expert (split bits, same run): 1.45-1.75x at 8-64 rows (masked), 1.04-1.1x at 128 (the 128-token tile),
-# 1.3-1.45x at 160-256, 1.0-1.4x at 384 and 1.27-1.44x at 512-4096 (contiguous), docs/perf.md. A group larger than a
-# tile runs as several tiles, side by side where the groups' mean size fills them (else one CTA after the other),
-# each reading the CTA's weight rows again (from L2).
+# 1.3-1.45x at 160-256, 1.0-1.4x at 384 and 1.27-1.44x at 512-4096 (contiguous); on an H200 the same day 1.45-1.8x
+# at 8-64 rows, 1.03-1.11x at 128 and 1.34-1.44x at prefill (docs/perf.md). A group larger than a tile runs as
+# several tiles, side by side where the groups' mean size fills them (else one CTA after the other), each reading
+# the CTA's weight rows again (from L2).
 MAX_EXPERTS = 65535  # one grid row per expert
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
