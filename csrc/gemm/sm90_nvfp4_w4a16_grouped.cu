@@ -377,8 +377,8 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
     scales_by_tma = p.s_tma && SK == 256;  // the TMA's boxes are 16 bytes wide at least
   }
 
-  // A group larger than a tile runs as several tiles, one after the other, each reading this CTA's weight rows
-  // again (from L2 after the first).
+  // A group larger than a tile runs as several tiles, this CTA taking every gridDim.z-th of them one after the
+  // other, each reading its weight rows again (from L2 after the first).
   for (int t0 = blockIdx.z * T; t0 < count; t0 += gridDim.z * T) {
     // Activations: T rows x 32 chunks of 16 bytes per stage, 128-byte swizzled per 64-K atom (wgmma's B); rows
     // past the group are zero-filled.
