@@ -40,7 +40,7 @@ TILES = (8, 16, 32, 64, 128, 256)  # tokens per CTA tile (wgmma's N); 128 and 25
 # at 8-64 rows, 1.03-1.11x at 128 and 1.34-1.44x at prefill (docs/perf.md). A group larger than a tile runs as
 # several tiles, side by side where the groups' mean size fills them (else one CTA after the other), each reading
 # the CTA's weight rows again (from L2).
-MAX_EXPERTS = 65535  # one grid row per expert
+MAX_EXPERTS = 65535  # one grid index (z) per expert
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
