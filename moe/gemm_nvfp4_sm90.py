@@ -1,12 +1,12 @@
 """The Hopper NVFP4 (W4A16) grouped GEMM written in CUDA (``csrc/gemm/sm90_nvfp4_w4a16_grouped.cu``), for
-K-permuted weights, over the masked and the contiguous layouts: decode tiles of 8-64 tokens and a prefill tile
-of 256.
+K-permuted weights, over the masked and the contiguous layouts: decode tiles of 8-64 tokens and prefill tiles of
+128 and 256.
 
 Its weights are wgmma's register operand, expanded by the thread whose registers wgmma reads them from, so no
 expanded weight passes through shared memory, and double-buffered, so that a span's expansion runs while the
 previous span's products are in flight (which the Triton kernel cannot do, ``moe/gemm_nvfp4_kernel.py``,
-``_retired``). ``usable`` sends it only the calls where it measured faster; every other call, and every other
-GPU, stays on the Triton kernel.
+``_retired``). ``usable`` sends it every call it can take (it measured faster at every group size); every other
+call, and every other GPU, stays on the Triton kernel.
 ``FLASHINFER_MOE_GEMM_BACKEND=triton`` turns it off. Dimension legend as in ``moe/gemm_nvfp4.py``.
 """
 
@@ -37,7 +37,7 @@ TILES = (8, 16, 32, 64, 128, 256)  # tokens per CTA tile (wgmma's N); 128 and 25
 # products before expanding the next, moe/gemm_nvfp4_kernel.py, _retired) at every size measured, 8 to 4096 rows
 # per expert (split bits, same run): 1.45-1.75x at 8-64 rows (masked), 1.04-1.1x at 128 (the 128-token tile),
 # 1.3-1.45x at 160-256, 1.0-1.4x at 384 and 1.27-1.44x at 512-4096 (contiguous); on an H200 the same day 1.45-1.8x
-# at 8-64 rows, 1.03-1.11x at 128 and 1.34-1.44x at prefill (docs/perf.md). A group larger than a tile runs as
+# at 8-64 rows, 1.03-1.11x at 128 and 1.34-1.51x at prefill (docs/perf.md). A group larger than a tile runs as
 # several tiles, side by side where the groups' mean size fills them (else one CTA after the other), each reading
 # the CTA's weight rows again (from L2).
 MAX_EXPERTS = 65535  # one grid index (z) per expert

@@ -1,5 +1,5 @@
 """The Hopper CUDA kernel of the NVFP4 grouped GEMM (moe/gemm_nvfp4_sm90.py) against float64 references on the
-dequantized weights: masked capacities across every token tile, the prefill tile's included (and past them,
+dequantized weights: masked capacities across every token tile, the prefill tiles included (and past them,
 several tiles per group, one CTA after the other or side by side), the contiguous layout with and without padding,
 partial K stages and idle warpgroups, every activation, bf16 and fp32 output, DeepSeek-V3's prefill shapes, and
 every E2M1 code under every finite E4M3 scale bit for bit."""
@@ -166,8 +166,9 @@ def test_split_bits_equal_k_permuted_bit_for_bit(rng, capacity, act):
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize(("n", "k", "act"), [(4096, 7168, "silu"), (7168, 2048, None)])
 def test_deepseek_prefill_shapes(rng, n, k, act, split):
-    """DeepSeek-V3's GEMM1 (gated) and GEMM2 on the prefill tile, contiguous groups of 700, 0, 256 and 1 rows
-    (three CTAs along each group); every element within bf16's rounding of its row's scale."""
+    """DeepSeek-V3's GEMM1 (gated) and GEMM2 on the 256-token prefill tile, contiguous groups of 700, 0, 256 and 1
+    rows (a mean of 240: one CTA along each group, looping over the first group's three tiles); every element within
+    bf16's rounding of its row's scale."""
     seed, g = rng
     counts = [700, 0, 256, 1]
     layout = contiguous_layout(counts, 1, DEV)

@@ -60,8 +60,7 @@ __host__ __device__ constexpr int pair_bytes(int w, int sk) { return 64 * w * sk
 // Warpgroups per CTA for T-token tiles: 4 for the 64-token tile without the activation, whose stages take the SM's
 // shared memory alone (16 warps to hide its latencies instead of 8, and each activation stage read for 256 weight
 // rows, not 128: measured 10% faster on an H100), else 2 (the gated 64-token tile with four, correct in the GPU
-// tests, has not been timed; the prefill tiles' 64 or 128 accumulators a thread leave room for
-// no more).
+// tests, has not been timed; the prefill tiles' 64 or 128 accumulators a thread leave room for no more).
 template <int T, bool GATED>
 constexpr int warpgroups_for() {
   return T == 64 && !GATED ? 4 : 2;
@@ -188,7 +187,7 @@ __device__ __forceinline__ float gated(float gate, float up, int act, float alph
 // The prefill tiles' bf16 output: the accumulators (times the global scale; GATED: the gate warpgroup's, through
 // the activation with the up warpgroup's passed in shared memory) stored transposed into a [T, kCols] tile in shared
 // memory by stmatrix, then written out by the whole CTA in 16-byte row pieces (its scalar stores of 2 bytes, four
-// rows a warp instruction, cost a tenth of a K = 2048 tile's time). Every stage has been read (the caller's barrier).
+// rows a warp instruction, measured 1.04-1.09x slower at K = 2048). Every stage has been read (the caller's barrier).
 template <int T, int W, bool GATED>
 __device__ __forceinline__ void epilogue_staged(const Params& p, float (&acc)[T / 2], uint32_t base, float g0, float g1,
                                                 int64_t out_row0, int rows, bool active) {
@@ -268,7 +267,7 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
   // The prefill tiles refill a stage's buffer in the middle of the next stage (after its first span's products
   // were issued and the last stage's have completed), not at its start: STAGES - 1 stages ahead instead of
   // STAGES - 2, which makes the difference between one stage and two where three stages are all that fit (T = 256:
-  // 1.05-1.13x faster on an H100, docs/perf-notes.md).
+  // 1.04-1.14x faster on five of six shapes on an H100, docs/perf-notes.md).
   constexpr bool kLate = prefill_tile(T);
   static_assert(!kLate || (kSpans == 2 && kBufs == 2 && W == 2), "two spans a stage, two fragment buffers");
   // ... and each thread copies one 4-byte piece of the block scales, of a row of its own warpgroup (thread t: row
@@ -380,7 +379,7 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
     scales_by_tma = p.s_tma && SK == 256;  // the TMA's boxes are 16 bytes wide at least
   }
 
-  // A group larger than a tile runs as several tiles, this CTA taking every gridDim.z-th of them one after the
+  // A group larger than a tile runs as several tiles, this CTA taking every tile_ctas-th of them one after the
   // other, each reading its weight rows again (from L2 after the first).
   for (int t0 = tile_cta * T; t0 < count; t0 += tile_ctas * T) {
     // Activations: T rows x 32 chunks of 16 bytes per stage, 128-byte swizzled per 64-K atom (wgmma's B); rows
@@ -503,8 +502,8 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
       for (int d = 0; d < kSpans; ++d) {
         const int i = st * kSpans + d, b = kBufs == 2 ? (d & 1) : 0;
         if (kLate && d == 1) {
-          // Every group on stage st - 1 has completed (span 0's wait below, in each warpgroup): its buffer takes
-          // stage st + 2, which so has a stage and a half to land.
+          // Every group on stage st - 1 has completed (the wait that ended span 0, in each warpgroup): its buffer
+          // takes stage st + STAGES - 1, which so has STAGES - 1.5 stages' time to land.
           asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
           __syncthreads();
           load_stage(st + STAGES - 1);
