@@ -187,6 +187,49 @@ def test_deepseek_prefill_shapes(rng, n, k, act, split):
     assert rel_err(got, want) < 1e-2, seed
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("act", [None, "silu"])
+@pytest.mark.parametrize("k", [128, 192, 448, 1088])
+@pytest.mark.parametrize("tile", [128, 256])
+@pytest.mark.parametrize("layout_kind", ["contiguous", "masked"])
+def test_prefill_tiles_many_groups(rng, layout_kind, tile, k, act, split):
+    """The prefill tiles over more CTAs than any Hopper GPU has SMs (n = 1536 and 24 groups: several waves),
+    groups of 0 to several tiles (a CTA looping over a group's tiles), and K of 1 to 9 stages of 128 (partial ones
+    too): fewer stages than the ring holds (128-token tiles: 5), just as many, or more."""
+    seed, g = rng
+    num_experts, n = 24, 1536
+    gated = act is not None
+    w, s, gs = (t.to(DEV) for t in nvfp4_weights(num_experts, 2 * n if gated else n, k, g, gated=gated))
+    wp = fm.pack_nvfp4_weights(w, split_bits=split)
+    counts = torch.randint(0, 2 * tile, (num_experts,), generator=g)
+    counts[torch.randperm(num_experts - 3, generator=g)[:5] + 3] = 0
+    counts[0], counts[1] = tile + 1, 1
+    if layout_kind == "contiguous":
+        counts[2] = max(0, int(counts[2]) + int(0.9 * tile * num_experts) - int(counts.sum()))
+        assert sm90.tile_for_layout(int(counts.sum()), num_experts, None) == tile
+        layout = contiguous_layout(counts.tolist(), 1, DEV)
+        a = torch.randn(layout.num_rows, k, generator=g).bfloat16().to(DEV)
+        out = torch.full((layout.num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        assert sm90.usable(a, wp.data, out, layout.expert_offsets, 2**31 - 1, int(gated), True)
+        fm.grouped_gemm_nvfp4_contiguous(a, wp, s, gs, layout, activation=act, out=out)
+        counts_t, offsets = layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu()
+    else:
+        capacity = tile if tile == 128 else 300  # one 128-token tile a group, or two 256-token tiles
+        assert sm90.tile_for_layout(num_experts * capacity, num_experts, capacity) == tile
+        a = torch.randn(num_experts, capacity, k, generator=g).bfloat16().to(DEV)
+        out = torch.full((num_experts, capacity, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        _assert_taken(a, wp, out, None, capacity, act)
+        fm.grouped_gemm_nvfp4_masked(a, wp, s, gs, counts.to(DEV, torch.int32), activation=act, out=out)
+        counts_t = counts.clamp(max=capacity).int()
+        offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
+        a, out = a.view(-1, k), out.view(-1, n)
+    torch.cuda.synchronize()
+    owned = owned_rows(counts_t, offsets, out.shape[0])
+    want = grouped_reference(a, w, s, gs, counts_t, offsets, act).cpu()
+    assert rel_err(out.cpu()[owned], want[owned]) < 1e-2, seed
+    assert out.cpu()[~owned].isnan().all(), "rows no group owns must keep the poison"
+
+
 def test_backend_triton_turns_it_off(monkeypatch):
     monkeypatch.setenv("FLASHINFER_MOE_GEMM_BACKEND", "triton")
     a = torch.zeros(64, 64, dtype=torch.bfloat16, device=DEV)

@@ -63,13 +63,18 @@ __device__ __forceinline__ void sts128(uint32_t addr, uint32_t a, uint32_t b, ui
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 
-// The 128 threads of one warpgroup (barrier 1 + wg; 0 is __syncthreads'), ids as immediates so that ptxas
-// counts two barriers, not all sixteen.
+// The 128 threads of warpgroup wg of W (barrier 1 + wg; 0 is __syncthreads'): with two, ids as immediates so that
+// ptxas counts two barriers, not all sixteen.
+template <int W>
 __device__ __forceinline__ void warpgroup_sync(int wg) {
-  if (wg == 0) {
-    asm volatile("bar.sync 1, 128;" ::: "memory");
+  if constexpr (W == 2) {
+    if (wg == 0) {
+      asm volatile("bar.sync 1, 128;" ::: "memory");
+    } else {
+      asm volatile("bar.sync 2, 128;" ::: "memory");
+    }
   } else {
-    asm volatile("bar.sync 2, 128;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory");
   }
 }
 

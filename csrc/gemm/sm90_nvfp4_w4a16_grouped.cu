@@ -21,14 +21,14 @@
 // (moe/packed_nvfp4.py) skip the lookup: shifts and masks put each word's bits straight into bf16 pairs that
 // read as the values times 2**-126, the factors carry 2**118 and the global scale 2**8 (expand4_split).
 //
-// Structure: two warpgroups per CTA (four for 64-token tiles without the activation), 64 weight rows each (with an
-// activation: the first half of the warpgroups the gate rows, the second half their up rows, the up accumulators passed
-// to the gate warpgroups through shared memory at the end), CTAs per (column block, expert) along the group's token
-// tiles as many as its mean size fills, each looping over every such tile (one at decode). A ring of shared-memory
-// stages, each 256 K (prefill tiles: 128) of the activations (wgmma's B operand: 128-byte swizzled rows), the CTA's
-// weight rows and their block scales, is filled with cp.async by the whole CTA, or from 32-token tiles on by TMA boxes
-// that one thread issues. At 8-16 tokens the integer pipe (the expansion's masks and shifts) and the weight stream
-// set the time; at 64 tokens, latency; at prefill, the tensor pipe and the stages' latency (docs/perf.md and
+// Structure: two warpgroups per CTA (without the activation: four for 64-token tiles, three for 128), 64 weight rows
+// each (with an activation: the first half of the warpgroups the gate rows, the second half their up rows, the up
+// accumulators passed to the gate warpgroups through shared memory at the end), CTAs per (column block, expert) along
+// the group's token tiles as many as its mean size fills, each looping over every such tile (one at decode). A ring of
+// shared-memory stages, each 256 K (prefill tiles: 128) of the activations (wgmma's B operand: 128-byte swizzled rows),
+// the CTA's weight rows and their block scales, is filled with cp.async by the whole CTA, or from 32-token tiles on by
+// TMA boxes that one thread issues. At 8-16 tokens the integer pipe (the expansion's masks and shifts) and the weight
+// stream set the time; at 64 tokens, latency; at prefill, the tensor pipe and the stages' latency (docs/perf.md and
 // docs/perf-notes.md have the profiles).
 
 #include <cuda_bf16.h>
@@ -59,11 +59,13 @@ __host__ __device__ constexpr int s_stage_bytes(int w, int sk) { return 64 * w *
 __host__ __device__ constexpr int pair_bytes(int w, int sk) { return 64 * w * sk / 16 * 4; }
 // Warpgroups per CTA for T-token tiles: 4 for the 64-token tile without the activation, whose stages take the SM's
 // shared memory alone (16 warps to hide its latencies instead of 8, and each activation stage read for 256 weight
-// rows, not 128: measured 10% faster on an H100), else 2 (the gated 64-token tile with four, correct in the GPU
-// tests, has not been timed; the prefill tiles' 64 or 128 accumulators a thread leave room for no more).
+// rows, not 128: measured 10% faster on an H100); 3 for the 128-token tile without it, for the same reasons (its 64
+// accumulators a thread fit 3 x 128 threads' registers, not 4 x 128: 1.01-1.11x at 100-128 rows per group on an
+// H200, docs/perf-notes.md); else 2 (the gated 64-token tile with four, correct in the GPU tests, has not been
+// timed; gate and up rows pair warpgroups; the 256-token tile's 128 accumulators leave room for no more).
 template <int T, bool GATED>
 constexpr int warpgroups_for() {
-  return T == 64 && !GATED ? 4 : 2;
+  return T == 64 && !GATED ? 4 : (T == 128 && !GATED ? 3 : 2);
 }
 // Bytes of one stage of T-token tiles (activations, weights, block scales), and the output columns of a CTA (GATED:
 // half its weight rows are up rows), for the kernel and its launch alike.
@@ -184,10 +186,37 @@ __device__ __forceinline__ float gated(float gate, float up, int act, float alph
   return g / (1.0f + __expf(-alpha * g)) * (u + 1.0f);
 }
 
-// The prefill tiles' bf16 output: the accumulators (times the global scale; GATED: the gate warpgroup's, through
-// the activation with the up warpgroup's passed in shared memory) stored transposed into a [T, kCols] tile in shared
-// memory by stmatrix, then written out by the whole CTA in 16-byte row pieces (its scalar stores of 2 bytes, four
-// rows a warp instruction, measured 1.04-1.09x slower at K = 2048). Every stage has been read (the caller's barrier).
+// The accumulators times the global scale (GATED: the gate warpgroups', through the activation with their up
+// warpgroup's, passed through shared memory at `base`, [i][thread] so without bank conflicts; one CTA barrier).
+// Returns whether this thread holds outputs: not up rows, and its warpgroup's columns exist.
+template <int T, int W, bool GATED>
+__device__ __forceinline__ bool scaled_outputs(const Params& p, float (&acc)[T / 2], uint32_t base, float g0, float g1,
+                                               bool active) {
+  constexpr int R = T / 2;
+  if constexpr (GATED) {
+    const int wg = threadIdx.x >> 7;
+    const bool up_rows = W == 2 ? wg == 1 : wg >= W / 2;
+    const uint32_t xchg = base + (wg % (W / 2)) * (R * 512) + 4 * (threadIdx.x & 127);
+    if (up_rows && active) {
+#pragma unroll
+      for (int i = 0; i < R; ++i) sts(xchg + 512 * i, __float_as_uint(acc[i]));
+    }
+    __syncthreads();
+    if (up_rows || !active) return false;
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] = gated(acc[i] * g0, lds(xchg + 512 * i) * g1, p.act, p.alpha, p.limit);
+    return true;
+  } else {
+    if (!active) return false;
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] *= g0;
+    return true;
+  }
+}
+
+// The prefill tiles' bf16 output: the scaled accumulators stored transposed into a [T, kCols] tile in shared memory
+// by stmatrix, then written out by the whole CTA in 16-byte row pieces (its scalar stores of 2 bytes, four rows a
+// warp instruction, measured 1.04-1.09x slower at K = 2048). Every stage has been read (the caller's barrier).
 template <int T, int W, bool GATED>
 __device__ __forceinline__ void epilogue_staged(const Params& p, float (&acc)[T / 2], uint32_t base, float g0, float g1,
                                                 int64_t out_row0, int rows, bool active) {
@@ -196,25 +225,9 @@ __device__ __forceinline__ void epilogue_staged(const Params& p, float (&acc)[T 
   constexpr int kPitch = kCols * 2 + 16;
   static_assert(!GATED || W == 2, "the gate and up rows are one warpgroup each");
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const bool up_rows = GATED && wg == 1;
   // GATED: the exchange takes [0, R * 512) of the stages, the output tile the bytes after it.
   const uint32_t tile = base + (GATED ? R * 512 : 0);
-  if constexpr (GATED) {
-    const uint32_t xchg = base + 4 * (threadIdx.x & 127);
-    if (up_rows && active) {
-#pragma unroll
-      for (int i = 0; i < R; ++i) sts(xchg + 512 * i, __float_as_uint(acc[i]));
-    }
-    __syncthreads();
-    if (!up_rows && active) {
-#pragma unroll
-      for (int i = 0; i < R; ++i) acc[i] = gated(acc[i] * g0, lds(xchg + 512 * i) * g1, p.act, p.alpha, p.limit);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < R; ++i) acc[i] *= g0;
-  }
-  if (active && !up_rows) {
+  if (scaled_outputs<T, W, GATED>(p, acc, base, g0, g1, active)) {
     // Matrix (j, h): output columns warp * 16 + 8 h + (0..7) of the warpgroup's, tokens 8 j + (0..7); this thread's
     // pair of it is acc[4 j + 2 h], acc[4 j + 2 h + 1]. One stmatrix takes (j, 0), (j, 1), (j + 1, 0), (j + 1, 1).
     const int m = lane >> 3;
@@ -269,7 +282,8 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
   // STAGES - 2, which makes the difference between one stage and two where three stages are all that fit (T = 256:
   // 1.04-1.14x faster on five of six shapes on an H100, docs/perf-notes.md).
   constexpr bool kLate = prefill_tile(T);
-  static_assert(!kLate || (kSpans == 2 && kBufs == 2 && W == 2), "two spans a stage, two fragment buffers");
+  static_assert(!kLate || (kSpans == 2 && kBufs == 2 && (W == 2 || (W == 3 && !GATED))),
+                "two spans a stage, two fragment buffers");
   // ... and each thread copies one 4-byte piece of the block scales, of a row of its own warpgroup (thread t: row
   // t / 2), so that a warpgroup barrier makes a stage's scales visible to the warpgroup that converts them.
   static_assert(!kLate || kRowsCta * kSRow / 4 == kThreads, "one scale copy a thread");
@@ -304,7 +318,7 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
 
   // The weight row of the CTA's local row lr (< 64 W), or -1 past the last output column.
   auto weight_row = [&](int lr) {
-    const int col = blockIdx.x * kCols + (GATED ? (lr & (kCols - 1)) : lr);  // kCols: a power of two
+    const int col = blockIdx.x * kCols + (GATED ? (lr & (kCols - 1)) : lr);  // GATED: kCols a power of two
     return col < p.n_out ? col + (GATED && lr >= kCols ? p.n_out : 0) : -1;
   };
   // This thread's two local rows (wgmma's rows lane / 4 and lane / 4 + 8 of its warp's 16); both have the
@@ -455,7 +469,7 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
         // Stage st's scales, copied by this warpgroup's own threads, have landed; its threads are done with the
         // previous stage's scale pairs.
         cp_async_wait<STAGES - 2>();
-        warpgroup_sync(wg);
+        warpgroup_sync<W>(wg);
       } else {
         // Stage st - 2's buffer is refilled below: every warpgroup's wgmma groups but the last (on stage st - 1)
         // have completed once each thread passes this wait and the barrier.
@@ -491,11 +505,7 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
           scale_pairs(raw >> 16, kScaleFactor, pr[2], pr[3]);
         }
         sts128(dst, pr[0], pr[1], pr[2], pr[3]);
-        if constexpr (W == 2) {
-          warpgroup_sync(wg);
-        } else {
-          asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory");
-        }
+        warpgroup_sync<W>(wg);
       }
       const uint32_t desc_stage = desc_lo0 + ((st % STAGES) * kStageBytes >> 4);
 #pragma unroll
@@ -560,33 +570,21 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
     __syncthreads();  // every stage read: the gated exchange below and the next tile reuse the buffers
 
     const float g0 = __ldg(p.gscale + e * p.gscale_stride) * kUnscale;
+    auto up_scale = [&] {
+      return GATED ? __ldg(p.gscale + e * p.gscale_stride + p.gscale_stride - 1) * kUnscale : 0.0f;
+    };
     if constexpr (prefill_tile(T)) {
       if (!p.out_f32) {
-        const float g1 = GATED ? __ldg(p.gscale + e * p.gscale_stride + p.gscale_stride - 1) * kUnscale : 0.0f;
+        const float g1 = up_scale();
         epilogue_staged<T, W, GATED>(p, acc, base, g0, g1, first_row + t0, count - t0, active);
         continue;
       }
     }
-    if constexpr (GATED) {
-      // The up rows' accumulators go to their gate warpgroup through shared memory, [i][thread] (no bank conflicts).
-      const uint32_t xchg = base + (wg % (W / 2)) * (R * 512) + 4 * (threadIdx.x & 127);
-      const bool up_rows = W == 2 ? wg == 1 : wg >= W / 2;
-      if (up_rows && active) {
-#pragma unroll
-        for (int i = 0; i < R; ++i) sts(xchg + 512 * i, __float_as_uint(acc[i]));
-      }
-      __syncthreads();
-      if (up_rows || !active) {
-        __syncthreads();
-        continue;
-      }
-      const float g1 = __ldg(p.gscale + e * p.gscale_stride + p.gscale_stride - 1) * kUnscale;
-#pragma unroll
-      for (int i = 0; i < R; ++i) acc[i] = gated(acc[i] * g0, lds(xchg + 512 * i) * g1, p.act, p.alpha, p.limit);
-    } else {
-      if (!active) continue;
-#pragma unroll
-      for (int i = 0; i < R; ++i) acc[i] *= g0;
+    // The scalar stores (the decode tiles; fp32 output). GATED: a second barrier before the next tile's stages, for
+    // the threads that read the exchange.
+    if (!scaled_outputs<T, W, GATED>(p, acc, base, g0, up_scale(), active)) {
+      if constexpr (GATED) __syncthreads();
+      continue;
     }
     const int64_t out_row0 = first_row + t0;
     const int col = col0 + warp * 16 + (lane >> 2);
