@@ -51,9 +51,26 @@ _SIGNATURES = {
 }
 
 
+# Contiguous groups of at most this mean size take the tile of twice their mean. Routed groups are uneven (top-8 of
+# 256 experts: the largest 1.6-2.1x the mean at means 8-16), and a group past its tile takes a second one that
+# expands its weights again: on H200s (2026-11-28, fused_moe of DeepSeek-V3, launch/bench_nvfp4_tiles.py) the doubled
+# tile was 1.14-1.31x faster at a mean of 8 rows and 1.27-1.33x at 16, and no better as a rule from 32 on (0.73x at
+# 48), while equal groups lose by it (12 rows: 0.88-0.92x), docs/perf.md.
+CONTIGUOUS_DOUBLED_MAX_ROWS = 16
+
+
 def tile_for(group_rows: int) -> int:
     """Tokens per tile for groups of about ``group_rows``: the smallest tile holding them, else the largest."""
     return next((t for t in TILES if t >= group_rows), TILES[-1])
+
+
+def tile_for_layout(rows: int, num_experts: int, capacity: int | None) -> int:
+    """The tile of a launch: the masked capacity's (``capacity``), or the contiguous layout's for its mean group,
+    doubled up to ``CONTIGUOUS_DOUBLED_MAX_ROWS``."""
+    group_rows = _rows_per_expert(rows, num_experts, capacity)
+    if capacity is None and group_rows <= CONTIGUOUS_DOUBLED_MAX_ROWS:
+        group_rows *= 2
+    return tile_for(group_rows)
 
 
 def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacity: int, act: int, kperm: bool) -> bool:
@@ -104,7 +121,7 @@ def launch(
         act,
         alpha,
         limit,
-        tile_for(_rows_per_expert(a.shape[0], num_experts, capacity if offsets is None else None)),
+        tile_for_layout(a.shape[0], num_experts, capacity if offsets is None else None),
         int(split_bits),
         stream_of(a),
     )

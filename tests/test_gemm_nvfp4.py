@@ -237,3 +237,25 @@ def test_masked_on_meta_tensors_gives_meta_output(generator):
     counts = torch.empty(2, dtype=torch.int32, device="meta")
     out = fm.grouped_gemm_nvfp4_masked(a, *meta, counts, activation="silu")
     assert out.device.type == "meta" and out.shape == (2, 3, 32) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("rows", "experts", "capacity", "tile"),
+    [
+        (12 * 5, 5, 12, 16),  # masked: the capacity's tile
+        (100 * 5, 5, 100, 128),
+        (3, 256, None, 8),  # contiguous, a mean of 1 row: doubled, still 8
+        (256 * 8, 256, None, 16),  # a mean of 8 (top-8 of 256 at T = 256): doubled
+        (256 * 16, 256, None, 32),  # 16: doubled
+        (256 * 17, 256, None, 32),  # past 16: the mean's own
+        (256 * 48, 256, None, 64),
+        (256 * 128, 256, None, 128),
+        (8 * 4096, 8, None, 256),
+    ],
+)
+def test_cuda_kernel_tile_for_layout(rows, experts, capacity, tile):
+    """The Hopper CUDA kernel's token tile: the masked capacity's, or twice a contiguous layout's mean group up to
+    CONTIGUOUS_DOUBLED_MAX_ROWS (routed groups are uneven), else its mean's."""
+    from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90
+
+    assert sm90.tile_for_layout(rows, experts, capacity) == tile
