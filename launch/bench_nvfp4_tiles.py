@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import require_gpus  # noqa: E402
 
 if __name__ == "__main__":
-    require_gpus(1, "the NVFP4 CUDA kernel", capability=(9, 0))
+    require_gpus(1, capability=(9, 0))
 
 from bench_gemm import _fp8_weights, _layout  # noqa: E402
 from bench_nvfp4 import nvfp4_weights, timed  # noqa: E402

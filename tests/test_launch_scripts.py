@@ -21,6 +21,7 @@ GPU_SCRIPTS = {
     "bench_gemm.py": "needs a CUDA GPU",
     "bench_mla.py": "needs a CUDA GPU",
     "bench_nvfp4.py": "needs a CUDA GPU",
+    "bench_nvfp4_tiles.py": "needs a CUDA GPU of compute capability 9.0 (sm_90)",
     "bench_mla_prefill.py": "needs a CUDA GPU",
     "bench_permute.py": "needs a CUDA GPU",
     "bench_routing.py": "needs a CUDA GPU",
