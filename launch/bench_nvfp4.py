@@ -249,21 +249,15 @@ def contiguous_rows(rows: list[dict]) -> None:
         wp, wb = fm.pack_nvfp4_weights(w, split_bits=False), fm.pack_nvfp4_weights(w, split_bits=True)
         w8, s8 = _fp8_weights(e, n, k)
         out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
+        kperm = lambda i: fm.grouped_gemm_nvfp4_contiguous(a, wp, s, gs, layout, validate=False, out=out)  # noqa: E731
+        split = lambda i: fm.grouped_gemm_nvfp4_contiguous(a, wb, s, gs, layout, validate=False, out=out)  # noqa: E731
         t = timed(
             {
                 "nvfp4": lambda i: fm.grouped_gemm_nvfp4_contiguous(a, w, s, gs, layout, validate=False, out=out),
-                "nvfp4_kperm": lambda i: fm.grouped_gemm_nvfp4_contiguous(
-                    a, wp, s, gs, layout, validate=False, out=out
-                ),
-                "nvfp4_split": lambda i: fm.grouped_gemm_nvfp4_contiguous(
-                    a, wb, s, gs, layout, validate=False, out=out
-                ),
-                "nvfp4_kperm_triton": _on_triton(
-                    lambda i: fm.grouped_gemm_nvfp4_contiguous(a, wp, s, gs, layout, validate=False, out=out)
-                ),
-                "nvfp4_split_triton": _on_triton(
-                    lambda i: fm.grouped_gemm_nvfp4_contiguous(a, wb, s, gs, layout, validate=False, out=out)
-                ),
+                "nvfp4_kperm": kperm,
+                "nvfp4_split": split,
+                "nvfp4_kperm_triton": _on_triton(kperm),
+                "nvfp4_split_triton": _on_triton(split),
                 "fp8": lambda i: fm.grouped_gemm_fp8_block_contiguous(aq, a_s, w8, s8, layout, out=out),
             },
             calls=3,
@@ -294,36 +288,66 @@ def contiguous_rows(rows: list[dict]) -> None:
         print(rows[-1], flush=True)
 
 
+H, INTER, TOP_K = 7168, 2048, 8  # DeepSeek-V3's MoE layer
+
+
+def deepseek_layer(
+    e: int, names: tuple[str, ...] = ("nvfp4", "nvfp4_kperm", "nvfp4_split", "fp8", "fp8_packed")
+) -> dict[str, dict]:
+    """``fused_moe`` arguments (``w13``, ``w2`` and the keywords) of a DeepSeek-V3 layer with ``e`` experts, for
+    each of ``names``: NVFP4 plain, K-permuted (``nvfp4_kperm``) and split bits (``nvfp4_split``); FP8 block with
+    plain and packed weights (``fp8``, ``fp8_packed``)."""
+    args = {}
+    if any(n.startswith("nvfp4") for n in names):
+        w13, s13, g13 = nvfp4_weights(e, 2 * INTER, H, gated=True)
+        w2, s2, g2 = nvfp4_weights(e, H, INTER)
+        kw = dict(quant="nvfp4", w13_scale=s13, w2_scale=s2, w13_global_scale=g13, w2_global_scale=g2)
+        packings = {"nvfp4": None, "nvfp4_kperm": False, "nvfp4_split": True}
+        for name in names:
+            if name in packings:
+                split = packings[name]
+                pack = (
+                    (lambda w: w)
+                    if split is None
+                    else (lambda w, split=split: fm.pack_nvfp4_weights(w, split_bits=split))
+                )
+                args[name] = dict(kw, w13=pack(w13), w2=pack(w2))
+    if any(n.startswith("fp8") for n in names):
+        f13, fs13 = _fp8_weights(e, 2 * INTER, H)
+        f2, fs2 = _fp8_weights(e, H, INTER)
+        kw = dict(quant="fp8_block", w13_scale=fs13, w2_scale=fs2)
+        if "fp8" in names:
+            args["fp8"] = dict(kw, w13=f13, w2=f2)
+        if "fp8_packed" in names:
+            args["fp8_packed"] = dict(
+                kw, w13=fm.pack_fp8_block_weights(f13, gated=True), w2=fm.pack_fp8_block_weights(f2)
+            )
+    return {name: args[name] for name in names}
+
+
+def moe_call(x, weights, ids, out, kw: dict):
+    """``fn(i)`` running ``fused_moe`` on ``x`` with the arguments ``kw`` (``deepseek_layer``'s)."""
+    rest = {k: v for k, v in kw.items() if k not in ("w13", "w2")}
+    return lambda i: fm.fused_moe(x, kw["w13"], kw["w2"], weights, ids, out=out, validate=False, **rest)
+
+
 def fused_rows(rows: list[dict]) -> None:
-    h, inter, top_k = 7168, 2048, 8
     for e in (256, 64):
-        w13, s13, g13 = nvfp4_weights(e, 2 * inter, h, gated=True)
-        w2, s2, g2 = nvfp4_weights(e, h, inter)
-        f13, fs13 = _fp8_weights(e, 2 * inter, h)
-        f2, fs2 = _fp8_weights(e, h, inter)
-        p13, p2 = fm.pack_fp8_block_weights(f13, gated=True), fm.pack_fp8_block_weights(f2)
-        k13, k2 = fm.pack_nvfp4_weights(w13, split_bits=False), fm.pack_nvfp4_weights(w2, split_bits=False)
-        b13, b2 = fm.pack_nvfp4_weights(w13, split_bits=True), fm.pack_nvfp4_weights(w2, split_bits=True)
-        nv_kw = dict(quant="nvfp4", w13_scale=s13, w2_scale=s2, w13_global_scale=g13, w2_global_scale=g2)
-        f8_kw = dict(quant="fp8_block", w13_scale=fs13, w2_scale=fs2)
+        args = deepseek_layer(e)
         for t in (1, 16, 128, 4096):
-            x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
-            weights, ids = fm.route(torch.randn(t, e, device=DEV), top_k)
-            out = torch.empty(t, h, dtype=torch.bfloat16, device=DEV)
-            common = dict(out=out, validate=False)
+            x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
+            weights, ids = fm.route(torch.randn(t, e, device=DEV), TOP_K)
+            out = torch.empty(t, H, dtype=torch.bfloat16, device=DEV)
+            call = {name: moe_call(x, weights, ids, out, kw) for name, kw in args.items()}
             times = timed(
                 {
-                    "nvfp4": lambda i: fm.fused_moe(x, w13, w2, weights, ids, **nv_kw, **common),
-                    "nvfp4_kperm": lambda i: fm.fused_moe(x, k13, k2, weights, ids, **nv_kw, **common),
-                    "nvfp4_kperm_triton": _on_triton(
-                        lambda i: fm.fused_moe(x, k13, k2, weights, ids, **nv_kw, **common)
-                    ),
-                    "nvfp4_split": lambda i: fm.fused_moe(x, b13, b2, weights, ids, **nv_kw, **common),
-                    "nvfp4_split_triton": _on_triton(
-                        lambda i: fm.fused_moe(x, b13, b2, weights, ids, **nv_kw, **common)
-                    ),
-                    "fp8": lambda i: fm.fused_moe(x, f13, f2, weights, ids, **f8_kw, **common),
-                    "fp8_packed": lambda i: fm.fused_moe(x, p13, p2, weights, ids, **f8_kw, **common),
+                    "nvfp4": call["nvfp4"],
+                    "nvfp4_kperm": call["nvfp4_kperm"],
+                    "nvfp4_kperm_triton": _on_triton(call["nvfp4_kperm"]),
+                    "nvfp4_split": call["nvfp4_split"],
+                    "nvfp4_split_triton": _on_triton(call["nvfp4_split"]),
+                    "fp8": call["fp8"],
+                    "fp8_packed": call["fp8_packed"],
                 },
                 calls=4,
                 reps=5,
@@ -346,7 +370,7 @@ def fused_rows(rows: list[dict]) -> None:
                     kperm_speedup_vs_fp8_best=fp8_best / times["nvfp4_kperm"],
                     split_speedup_vs_fp8_best=fp8_best / times["nvfp4_split"],
                     active_experts=active,
-                    nvfp4_weight_tb_s=active * 3 * h * inter / 2 / (times["nvfp4"] * 1e-6) / 1e12,
+                    nvfp4_weight_tb_s=active * 3 * H * INTER / 2 / (times["nvfp4"] * 1e-6) / 1e12,
                 )
             )
             print(rows[-1], flush=True)

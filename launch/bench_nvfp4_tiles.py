@@ -32,14 +32,13 @@ from timing import require_gpus  # noqa: E402
 if __name__ == "__main__":
     require_gpus(1, capability=(9, 0))
 
-from bench_gemm import _fp8_weights, _layout  # noqa: E402
-from bench_nvfp4 import nvfp4_weights, timed  # noqa: E402
+from bench_gemm import _layout  # noqa: E402
+from bench_nvfp4 import TOP_K, H, deepseek_layer, moe_call, nvfp4_weights, timed  # noqa: E402
 
 import flashinfer_moe as fm  # noqa: E402
 from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90  # noqa: E402
 
 DEV = "cuda"
-H, INTER, TOP_K = 7168, 2048, 8
 
 
 def forced_tile(fn, tile: int):
@@ -56,36 +55,9 @@ def forced_tile(fn, tile: int):
     return call
 
 
-def layer(e: int) -> dict[str, dict]:
-    """``fused_moe`` arguments of a DeepSeek-V3 layer with ``e`` experts: NVFP4 (split bits), FP8 block, and FP8
-    block with packed weights."""
-    w13, s13, g13 = nvfp4_weights(e, 2 * INTER, H, gated=True)
-    w2, s2, g2 = nvfp4_weights(e, H, INTER)
-    nv = dict(
-        w13=fm.pack_nvfp4_weights(w13, split_bits=True),
-        w2=fm.pack_nvfp4_weights(w2, split_bits=True),
-        quant="nvfp4",
-        w13_scale=s13,
-        w2_scale=s2,
-        w13_global_scale=g13,
-        w2_global_scale=g2,
-    )
-    f13, fs13 = _fp8_weights(e, 2 * INTER, H)
-    f2, fs2 = _fp8_weights(e, H, INTER)
-    fp8 = dict(w13=f13, w2=f2, quant="fp8_block", w13_scale=fs13, w2_scale=fs2)
-    packed = dict(fp8, w13=fm.pack_fp8_block_weights(f13, gated=True), w2=fm.pack_fp8_block_weights(f2))
-    return {"nvfp4_split": nv, "fp8": fp8, "fp8_packed": packed}
-
-
-def moe_call(x, weights, ids, out, kw: dict):
-    """``fn(i)`` running ``fused_moe`` with the arguments ``kw`` (``layer``'s)."""
-    rest = {k: v for k, v in kw.items() if k not in ("w13", "w2")}
-    return lambda i: fm.fused_moe(x, kw["w13"], kw["w2"], weights, ids, out=out, validate=False, **rest)
-
-
 def routed_rows(rows: list[dict]) -> None:
     for e, tokens in ((256, (256, 512, 1024, 1536, 2048, 4096)), (64, (512, 1024, 4096))):
-        nv = layer(e)["nvfp4_split"]
+        nv = deepseek_layer(e, ("nvfp4_split",))["nvfp4_split"]
         for t in tokens:
             x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
             weights, ids = fm.route(torch.randn(t, e, device=DEV), TOP_K)
@@ -149,7 +121,7 @@ def equal_rows(rows: list[dict]) -> None:
 
 def fused_rows(rows: list[dict]) -> None:
     for e in (256, 64):
-        args = layer(e)
+        args = deepseek_layer(e, ("nvfp4_split", "fp8", "fp8_packed"))
         for t in (1, 16, 128, 4096):
             x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
             weights, ids = fm.route(torch.randn(t, e, device=DEV), TOP_K)
