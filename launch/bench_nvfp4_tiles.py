@@ -1,13 +1,16 @@
 """Which token tile the Hopper NVFP4 CUDA kernel should take for contiguous groups, and fused_moe(quant="nvfp4")
 against FP8 block on the current choice, in one run.
 
-    python launch/bench_nvfp4_tiles.py [--tables routed,equal,fused] [--json FILE]
+    python launch/bench_nvfp4_tiles.py [--tables routed,tails,equal,fused] [--json FILE]
 
 Tables:
 - routed: ``fused_moe`` for a DeepSeek-V3 layer (H 7168, I 2048, top-8, split bits) on routed tokens (uneven
   groups), the kernel's tile forced to each of the three tiles from the mean group's up (``moe/gemm_nvfp4_sm90.py``
-  ``tile_for``): E = 256 at T = 256 .. 4096 (means of 8 .. 128 rows) and E = 64 at T = 512 .. 4096; also whether
+  ``tile_for``): E = 256 at T = 256 .. 4096 (means of 8 .. 128 rows) and E = 64 at T = 128 .. 4096; also whether
   the outputs of every tile are bit-identical (they should be: a tile changes no sum's order).
+- tails: the same ``fused_moe`` at E = 256 (T = 2048 .. 8192) and E = 64 (T = 1024 .. 4096) on the default tile,
+  with the tail launch (``tail_tile_for``: a group's few rows past its last whole tile on a smaller tile) forced
+  off and to each smaller tile; outputs compared bit for bit as above.
 - equal: ``grouped_gemm_nvfp4_contiguous`` on 32 equal groups of 12 .. 64 rows at (7168, 2048) and, gated,
   (4096, 7168): the mean's tile and the next.
 - fused: the ``fused_moe`` cases of ``bench_nvfp4.py`` (E = 256 and 64, T in {1, 16, 128, 4096}) with the default
@@ -56,7 +59,7 @@ def forced_tile(fn, tile: int):
 
 
 def routed_rows(rows: list[dict]) -> None:
-    for e, tokens in ((256, (256, 512, 1024, 1536, 2048, 4096)), (64, (512, 1024, 4096))):
+    for e, tokens in ((256, (256, 512, 768, 1024, 1536, 2048, 4096)), (64, (128, 256, 512, 1024, 4096))):
         nv = deepseek_layer(e, ("nvfp4_split",))["nvfp4_split"]
         for t in tokens:
             x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
@@ -80,6 +83,53 @@ def routed_rows(rows: list[dict]) -> None:
                     rows_min=int(counts.min()),
                     rows_max=int(counts.max()),
                     default_tile=sm90.tile_for_layout(t * TOP_K, e, None),
+                    **{f"{name}_us": v for name, v in us.items()},
+                    outputs_bit_equal=all(torch.equal(o, outs[0]) for o in outs),
+                )
+            )
+            print(rows[-1], flush=True)
+
+
+def forced_tail(fn, tail: int):
+    """``fn`` with the tail launch's tile fixed to ``tail`` (0: none) beside the default tile."""
+    chooser = sm90.tail_tile_for
+
+    def call(i):
+        sm90.tail_tile_for = lambda tile, capacity: tail if capacity is None else 0
+        try:
+            return fn(i)
+        finally:
+            sm90.tail_tile_for = chooser
+
+    return call
+
+
+def tail_rows(rows: list[dict]) -> None:
+    for e, tokens in ((256, (2048, 4096, 8192)), (64, (1024, 2048, 4096))):
+        nv = deepseek_layer(e, ("nvfp4_split",))["nvfp4_split"]
+        for t in tokens:
+            x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
+            weights, ids = fm.route(torch.randn(t, e, device=DEV), TOP_K)
+            counts = torch.bincount(ids.reshape(-1), minlength=e)
+            out = torch.empty(t, H, dtype=torch.bfloat16, device=DEV)
+            call = moe_call(x, weights, ids, out, nv)
+            tile = sm90.tile_for_layout(t * TOP_K, e, None)
+            tails = [0] + [tail for tail in (32, 64, 128) if tail < tile]  # tiles below 32 cannot split
+            outs = []
+            for tail in tails:
+                forced_tail(call, tail)(0)
+                outs.append(out.clone())
+            us = timed({f"tail_{tail}": forced_tail(call, tail) for tail in tails}, calls=4, reps=5)
+            rows.append(
+                dict(
+                    table="tails",
+                    experts=e,
+                    tokens=t,
+                    rows_mean=t * TOP_K / e,
+                    rows_min=int(counts.min()),
+                    rows_max=int(counts.max()),
+                    tile=tile,
+                    default_tail=sm90.tail_tile_for(tile, None),
                     **{f"{name}_us": v for name, v in us.items()},
                     outputs_bit_equal=all(torch.equal(o, outs[0]) for o in outs),
                 )
@@ -142,11 +192,11 @@ def fused_rows(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tables", default="routed,equal,fused")
+    parser.add_argument("--tables", default="routed,tails,equal,fused")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    runners = {"routed": routed_rows, "equal": equal_rows, "fused": fused_rows}
+    runners = {"routed": routed_rows, "tails": tail_rows, "equal": equal_rows, "fused": fused_rows}
     meta = dict(table="meta", device=torch.cuda.get_device_name())
     rows: list[dict] = []
     for table in [t for t in args.tables.split(",") if t]:

@@ -45,7 +45,7 @@ MAX_EXPERTS = 65535  # one grid index (z) per expert
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "fim_sm90_nvfp4_w4a16_grouped": (
-        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp] + [_int] * 7 + [_float, _float, _int, _int, _vp],
+        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp] + [_int] * 7 + [_float, _float] + [_int] * 5 + [_vp],
         _int,
     )
 }
@@ -54,9 +54,10 @@ _SIGNATURES = {
 # Contiguous groups of at most this mean size take the tile of twice their mean. Routed groups are uneven (top-8 of
 # 256 experts: the largest 1.6-2.1x the mean at means 8-16), and a group past its tile takes a second one that
 # expands its weights again: on H200s (2026-11-28, fused_moe of DeepSeek-V3, launch/bench_nvfp4_tiles.py) the doubled
-# tile was 1.14-1.31x faster at a mean of 8 rows and 1.27-1.33x at 16, and no better as a rule from 32 on (0.73x at
-# 48), while equal groups lose by it (12 rows: 0.88-0.92x), docs/perf.md.
-CONTIGUOUS_DOUBLED_MAX_ROWS = 16
+# tile was 1.06-1.31x faster at a mean of 8 rows, 1.26-1.33x at 16, 0.99x at 24 and 1.15-1.23x at 32 (there beside
+# the tail launch below, which takes the groups of up to 32 rows), and slower from 48 on (0.73x), while equal groups
+# lose by it (12 rows: 0.87-0.92x; 24: 0.97-0.98x), docs/perf.md.
+CONTIGUOUS_DOUBLED_MAX_ROWS = 32
 
 
 def tile_for(group_rows: int) -> int:
@@ -71,6 +72,21 @@ def tile_for_layout(rows: int, num_experts: int, capacity: int | None) -> int:
     if capacity is None and group_rows <= CONTIGUOUS_DOUBLED_MAX_ROWS:
         group_rows *= 2
     return tile_for(group_rows)
+
+
+# The tail launch's tile beside each tile of the contiguous layout: a group's rows past its last whole tile, when
+# no more than this, run on it instead of on a whole tile more (whose products, not its weight stream, are what a
+# few rows past a large tile cost). 32 for each (tiles below 32 cannot split): fused_moe of DeepSeek-V3 on H200s
+# (2026-11-28, launch/bench_nvfp4_tiles.py --tables tails, two runs), against no tail launch: E = 256, 1.07-1.15x at
+# T = 2048 (tile 64), 1.11-1.15x at 4096 (128), 1.28-1.30x at 8192 (256); E = 64, 1.12-1.24x at T = 1024 .. 4096;
+# a tail tile of 64 or 128 gained less at every one, docs/perf.md.
+TAIL_TILES = {64: 32, 128: 32, 256: 32}
+
+
+def tail_tile_for(tile: int, capacity: int | None) -> int:
+    """The tail launch's tile beside a launch of ``tile`` tokens (0: none), the contiguous layout only
+    (``capacity`` None)."""
+    return TAIL_TILES.get(tile, 0) if capacity is None else 0
 
 
 def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacity: int, act: int, kperm: bool) -> bool:
@@ -103,26 +119,34 @@ def launch(
     if scale.data_ptr() % 4:  # the kernel copies a row's scales 4 bytes at a time
         scale = scale.clone()
     gscale = w_global_scale.contiguous()
-    status = lib.fim_sm90_nvfp4_w4a16_grouped(
-        a.data_ptr(),
-        w.data_ptr(),
-        scale.data_ptr(),
-        gscale.data_ptr(),
-        1 if gscale.dim() == 1 else gscale.shape[1],
-        counts.data_ptr(),
-        None if offsets is None else offsets.data_ptr(),
-        out.data_ptr(),
-        int(out.dtype == torch.float32),
-        num_experts,
-        a.shape[0],
-        capacity,
-        nw,
-        2 * half_k,
-        act,
-        alpha,
-        limit,
-        tile_for_layout(a.shape[0], num_experts, capacity if offsets is None else None),
-        int(split_bits),
-        stream_of(a),
-    )
-    check_launch(lib, status, "grouped_gemm_nvfp4 (sm90)")
+    layout_capacity = capacity if offsets is None else None
+    tile = tile_for_layout(a.shape[0], num_experts, layout_capacity)
+    tail_tile = tail_tile_for(tile, layout_capacity)
+    # Two launches when split: the whole tiles (and remainders past tail_tile rows), then the short remainders.
+    for run_tile, tail in ((tile, 0), (tail_tile, 1))[: 2 if tail_tile else 1]:
+        status = lib.fim_sm90_nvfp4_w4a16_grouped(
+            a.data_ptr(),
+            w.data_ptr(),
+            scale.data_ptr(),
+            gscale.data_ptr(),
+            1 if gscale.dim() == 1 else gscale.shape[1],
+            counts.data_ptr(),
+            None if offsets is None else offsets.data_ptr(),
+            out.data_ptr(),
+            int(out.dtype == torch.float32),
+            num_experts,
+            a.shape[0],
+            capacity,
+            nw,
+            2 * half_k,
+            act,
+            alpha,
+            limit,
+            run_tile,
+            int(split_bits),
+            tile if tail_tile else 0,
+            tail_tile,
+            tail,
+            stream_of(a),
+        )
+        check_launch(lib, status, "grouped_gemm_nvfp4 (sm90)")

@@ -247,7 +247,10 @@ def test_masked_on_meta_tensors_gives_meta_output(generator):
         (3, 256, None, 8),  # contiguous, a mean of 1 row: doubled, still 8
         (256 * 8, 256, None, 16),  # a mean of 8 (top-8 of 256 at T = 256): doubled
         (256 * 16, 256, None, 32),  # 16: doubled
-        (256 * 17, 256, None, 32),  # past 16: the mean's own
+        (256 * 17, 256, None, 64),  # 17: doubled (beside the tail launch's 32)
+        (256 * 32, 256, None, 64),  # 32: doubled
+        (256 * 33, 256, None, 64),  # past 32: the mean's own
+        (256 * 65, 256, None, 128),
         (256 * 48, 256, None, 64),
         (256 * 128, 256, None, 128),
         (8 * 4096, 8, None, 256),
@@ -259,3 +262,15 @@ def test_cuda_kernel_tile_for_layout(rows, experts, capacity, tile):
     from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90
 
     assert sm90.tile_for_layout(rows, experts, capacity) == tile
+
+
+@pytest.mark.parametrize(
+    ("tile", "capacity", "tail"),
+    [(256, None, 32), (128, None, 32), (64, None, 32), (32, None, 0), (8, None, 0), (128, 128, 0)],
+)
+def test_cuda_kernel_tail_tile(tile, capacity, tail):
+    """The tail launch beside the Hopper CUDA kernel's tile: 32 tokens beside tiles of 64 and more of the
+    contiguous layout, none below (their kernels cannot split) or for the masked layout."""
+    from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90
+
+    assert sm90.tail_tile_for(tile, capacity) == tail

@@ -230,6 +230,58 @@ def test_prefill_tiles_many_groups(rng, layout_kind, tile, k, act, split):
     assert out.cpu()[~owned].isnan().all(), "rows no group owns must keep the poison"
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("act", [None, "silu"])
+@pytest.mark.parametrize("tile", [64, 128, 256])
+def test_contiguous_tail_launch(rng, monkeypatch, tile, act, split):
+    """A tile's groups split between it and the tail launch (remainders of 1 .. the tail tile's rows past
+    the last whole tile, groups no larger than the tail tile): float64 reference, poisoned rows kept, and bit for
+    bit the output of one launch of the prefill tile alone (a tile changes no sum's order)."""
+    seed, g = rng
+    n, k = 384, 704
+    tail = sm90.tail_tile_for(tile, None)
+    assert 0 < tail < tile
+    counts = [tile + 1, tile + tail, tile + tail + 1, 2 * tile, 2 * tile + tail, tail, tail + 1, 1, 0, tile - 1]
+    counts += [int(torch.randint(1, tile, (1,), generator=g)) for _ in range(4)]
+    counts.append(max(1, tile * (len(counts) + 1) - sum(counts)))  # the mean's tile is `tile`
+    assert sm90.tile_for_layout(sum(counts), len(counts), None) == tile
+    gated = act is not None
+    layout = contiguous_layout(counts, 1, DEV)
+    a = torch.randn(layout.num_rows, k, generator=g).bfloat16().to(DEV)
+    w, s, gs = (t.to(DEV) for t in nvfp4_weights(len(counts), 2 * n if gated else n, k, g, gated=gated))
+    wp = fm.pack_nvfp4_weights(w, split_bits=split)
+    out = torch.full((layout.num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    assert sm90.usable(a, wp.data, out, layout.expert_offsets, 2**31 - 1, int(gated), True)
+    fm.grouped_gemm_nvfp4_contiguous(a, wp, s, gs, layout, activation=act, out=out)
+    whole = torch.full_like(out, float("nan"))
+    monkeypatch.setattr(sm90, "tail_tile_for", lambda tile, capacity: 0)
+    fm.grouped_gemm_nvfp4_contiguous(a, wp, s, gs, layout, activation=act, out=whole)
+    torch.cuda.synchronize()
+    counts_t, offsets = layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu()
+    owned = owned_rows(counts_t, offsets, layout.num_rows)
+    want = grouped_reference(a, w, s, gs, counts_t, offsets, act).cpu()
+    assert rel_err(out.cpu()[owned], want[owned]) < 1e-2, seed
+    assert out.cpu()[~owned].isnan().all(), "rows no group owns must keep the poison"
+    assert torch.equal(out[owned.to(DEV)], whole[owned.to(DEV)]), seed
+
+
+def test_tail_launch_below_32_tokens_is_refused(rng, monkeypatch):
+    """Tiles below 32 tokens cannot take a split (their kernels take every row): the launch says so instead of
+    running the rows twice."""
+    from flashinfer_moe._ops import KernelLaunchError
+
+    _, g = rng
+    counts = [70, 65, 40]
+    layout = contiguous_layout(counts, 1, DEV)
+    a = torch.randn(layout.num_rows, 128, generator=g).bfloat16().to(DEV)
+    w, s, gs = (t.to(DEV) for t in nvfp4_weights(len(counts), 64, 128, g))
+    wp = fm.pack_nvfp4_weights(w, split_bits=True)
+    out = torch.empty(layout.num_rows, 64, dtype=torch.bfloat16, device=DEV)
+    monkeypatch.setattr(sm90, "tail_tile_for", lambda tile, capacity: 16)
+    with pytest.raises(KernelLaunchError, match="grouped_gemm_nvfp4"):
+        fm.grouped_gemm_nvfp4_contiguous(a, wp, s, gs, layout, out=out)
+
+
 def test_backend_triton_turns_it_off(monkeypatch):
     monkeypatch.setenv("FLASHINFER_MOE_GEMM_BACKEND", "triton")
     a = torch.zeros(64, 64, dtype=torch.bfloat16, device=DEV)

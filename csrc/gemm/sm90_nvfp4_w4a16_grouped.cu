@@ -96,6 +96,10 @@ struct Params {
   // Contiguous layout with fewer rows than experts: CTA row y serves the group that starts at row y (if any), so
   // that the grid has min(rows, E) CTA rows, not one per expert, most of them idle at decode.
   int row_map;
+  // A group's rows past its last whole tile of split_tile tokens, when 1 .. tail_rows of them, are left to a second
+  // launch of a smaller tile (tail: this launch is it), so that a group a little past a prefill tile does not pay
+  // for a second whole one. split_tile 0: every row here.
+  int split_tile, tail_rows, tail;
 };
 // Tiles of 32 tokens and more (kTma): the stages by TMA, from these maps (128-byte swizzle; boxes of [T rows, 64] of a,
 // [64 rows, 128 bytes] of w, [64 rows, 16 bytes] of the block scales where s_tma, else those by cp.async). The smaller
@@ -302,9 +306,18 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
     e = last_at_or_before(p.offsets, p.num_experts, y);
     if (__ldg(p.offsets + e) != y) return;
   }
-  const int count = min(__ldg(p.counts + e), p.capacity);
+  int count = min(__ldg(p.counts + e), p.capacity);
+  int64_t first_row = p.offsets ? __ldg(p.offsets + e) : static_cast<int64_t>(e) * p.capacity;
+  if (T >= 32 && p.split_tile) {  // (the decode tiles of 8 and 16 take no part: their SASS stays as it was)
+    const int rest = count % p.split_tile, whole = rest <= p.tail_rows ? count - rest : count;
+    if (p.tail) {
+      first_row += whole;
+      count -= whole;
+    } else {
+      count = whole;
+    }
+  }
   if (count <= 0) return;
-  const int64_t first_row = p.offsets ? __ldg(p.offsets + e) : static_cast<int64_t>(e) * p.capacity;
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, q = lane & 3;
   // Output columns [col0, col0 + 64) of this warpgroup (GATED: those of its gate or up rows, the up rows being
@@ -689,13 +702,19 @@ cudaError_t launch_act(const ParamsTma& p, int grid_rows, int grid_tiles, int ti
 // 2]); split_bits: the weights' words have split bits (moe/packed_nvfp4.py), else they are K-permuted bytes; offsets
 // null for the masked layout (capacity C), else the contiguous layout's group starts, non-decreasing (capacity: a
 // bound); rows: the rows of a (at least 1). K a multiple of 64, nw (and nw / 2 when gated) a multiple of 64, all
-// pointers 16-byte aligned.
+// pointers 16-byte aligned. split_tile, tail_rows, tail: see Params (split_tile 0, or a tile larger than tail_rows;
+// the two launches of a split take the same split_tile and tail_rows, tail 0 and 1, and tiles of 32 or more).
 extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const void* scale, const float* gscale,
                                             int gscale_stride, const int32_t* counts, const int32_t* offsets, void* out,
                                             int out_f32, int num_experts, int rows, int capacity, int nw, int k,
-                                            int act, float alpha, float limit, int tile, int split_bits, void* stream) {
+                                            int act, float alpha, float limit, int tile, int split_bits, int split_tile,
+                                            int tail_rows, int tail, void* stream) {
   using namespace fim::sm90_nvfp4;
   if (k % 64 || nw % 64 || (act && nw % 128) || capacity <= 0 || rows <= 0) return cudaErrorInvalidValue;
+  // (A split needs tiles of 32 tokens or more in both launches: the smaller ones' kernels take every row.)
+  if (split_tile < 0 || (split_tile && (tile < 32 || tail_rows <= 0 || tail_rows >= split_tile)) ||
+      (tail && !split_tile))
+    return cudaErrorInvalidValue;
   const int row_map = offsets != nullptr && rows < num_experts;
   ParamsTma p{};
   static_cast<Params&>(p) = Params{static_cast<const __nv_bfloat16*>(a),
@@ -715,7 +734,10 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
                                    alpha,
                                    limit,
                                    num_experts,
-                                   row_map};
+                                   row_map,
+                                   split_tile,
+                                   tail_rows,
+                                   tail};
   if (tma_tiles(tile)) {
     const cudaError_t err = encode_maps(p, rows, tile);
     if (err != cudaSuccess) return err;
@@ -726,7 +748,7 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
   // an expert's mean rows fill (masked: the capacity), so that balanced prefill groups spread over the whole GPU
   // while the CTAs of small or uneven groups loop instead of idling.
   const int64_t mean_rows = offsets ? (static_cast<int64_t>(rows) + num_experts - 1) / num_experts : capacity;
-  const int64_t bound = std::min<int64_t>(mean_rows, capacity);
+  const int64_t bound = std::min<int64_t>(tail ? tail_rows : mean_rows, capacity);
   const int grid_tiles = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((bound + tile - 1) / tile, 65535)));
   return split_bits ? launch_act<true>(p, grid_rows, grid_tiles, tile, s)
                     : launch_act<false>(p, grid_rows, grid_tiles, tile, s);
