@@ -1,7 +1,7 @@
 """Which token tile the Hopper NVFP4 CUDA kernel should take for contiguous groups, and fused_moe(quant="nvfp4")
 against FP8 block on the current choice, in one run.
 
-    python launch/bench_nvfp4_tiles.py [--tables routed,tails,equal,fused] [--json FILE]
+    python launch/bench_nvfp4_tiles.py [--tables routed,tails,masked_fill,equal,fused] [--json FILE]
 
 Tables:
 - routed: ``fused_moe`` for a DeepSeek-V3 layer (H 7168, I 2048, top-8, split bits) on routed tokens (uneven
@@ -9,8 +9,11 @@ Tables:
   ``tile_for``): E = 256 at T = 256 .. 4096 (means of 8 .. 128 rows) and E = 64 at T = 128 .. 4096; also whether
   the outputs of every tile are bit-identical (they should be: a tile changes no sum's order).
 - tails: the same ``fused_moe`` at E = 256 (T = 2048 .. 8192) and E = 64 (T = 1024 .. 4096) on the default tile,
-  with the tail launch (``tail_tile_for``: a group's few rows past its last whole tile on a smaller tile) forced
-  off and to each smaller tile; outputs compared bit for bit as above.
+  with the tail launches (``tail_tiles_for``: a group's few rows past its last whole tile on smaller tiles) forced
+  off, to each smaller tile, and to 32 and 64; outputs compared bit for bit as above.
+- masked_fill: ``grouped_gemm_nvfp4_masked`` on 32 experts whose groups fill little of the capacity (as an
+  expert-parallel decode's dispatch does) or all of it: the capacity's tile without tail launches, with one of
+  32, with 32 and 64, and the tile of the groups' actual size (which the host does not know), against FP8 block.
 - equal: ``grouped_gemm_nvfp4_contiguous`` on 32 equal groups of 12 .. 64 rows at (7168, 2048) and, gated,
   (4096, 7168): the mean's tile and the next.
 - fused: the ``fused_moe`` cases of ``bench_nvfp4.py`` (E = 256 and 64, T in {1, 16, 128, 4096}) with the default
@@ -90,16 +93,17 @@ def routed_rows(rows: list[dict]) -> None:
             print(rows[-1], flush=True)
 
 
-def forced_tail(fn, tail: int):
-    """``fn`` with the tail launch's tile fixed to ``tail`` (0: none) beside the default tile."""
-    chooser = sm90.tail_tile_for
+def forced_tails(fn, tails: tuple[int, ...], masked: bool = False):
+    """``fn`` with the tail launches' tiles fixed to ``tails`` (() for none) beside the default tile, on the
+    contiguous layout (``masked``: on the masked one)."""
+    chooser = sm90.tail_tiles_for
 
     def call(i):
-        sm90.tail_tile_for = lambda tile, capacity: tail if capacity is None else 0
+        sm90.tail_tiles_for = lambda tile, capacity: tails if (capacity is not None) == masked else ()
         try:
             return fn(i)
         finally:
-            sm90.tail_tile_for = chooser
+            sm90.tail_tiles_for = chooser
 
     return call
 
@@ -114,12 +118,13 @@ def tail_rows(rows: list[dict]) -> None:
             out = torch.empty(t, H, dtype=torch.bfloat16, device=DEV)
             call = moe_call(x, weights, ids, out, nv)
             tile = sm90.tile_for_layout(t * TOP_K, e, None)
-            tails = [0] + [tail for tail in (32, 64, 128) if tail < tile]  # tiles below 32 cannot split
+            tails = [(), *[(c,) for c in (32, 64, 128) if c < tile]] + ([(32, 64)] if tile > 64 else [])
             outs = []
             for tail in tails:
-                forced_tail(call, tail)(0)
+                forced_tails(call, tail)(0)
                 outs.append(out.clone())
-            us = timed({f"tail_{tail}": forced_tail(call, tail) for tail in tails}, calls=4, reps=5)
+            name = lambda tail: "tail_" + ("_".join(map(str, tail)) or "0")  # noqa: E731
+            us = timed({name(tail): forced_tails(call, tail) for tail in tails}, calls=4, reps=5)
             rows.append(
                 dict(
                     table="tails",
@@ -129,9 +134,65 @@ def tail_rows(rows: list[dict]) -> None:
                     rows_min=int(counts.min()),
                     rows_max=int(counts.max()),
                     tile=tile,
-                    default_tail=sm90.tail_tile_for(tile, None),
+                    default_tails=list(sm90.tail_tiles_for(tile, None)),
                     **{f"{name}_us": v for name, v in us.items()},
                     outputs_bit_equal=all(torch.equal(o, outs[0]) for o in outs),
+                )
+            )
+            print(rows[-1], flush=True)
+
+
+def masked_fill_rows(rows: list[dict]) -> None:
+    """The masked layout below its capacity (an expert-parallel decode's dispatch: capacity W x max tokens a rank):
+    the capacity's tile without tail launches, with one of 32, with 32 and 64, and the tile of the actual groups
+    (which the host does not know), against FP8 block on the same layout."""
+    from bench_gemm import _fp8_rows, _fp8_weights
+
+    e = 32
+    for n, k, gated in ((4096, 7168, True), (7168, 2048, False)):
+        w, s, gs = nvfp4_weights(e, n, k, gated)
+        wb = fm.pack_nvfp4_weights(w, split_bits=True)
+        f8w, f8s = _fp8_weights(e, n, k)
+        act = "silu" if gated else None
+        # (capacity, mean): groups of mean / 2 .. 3 mean / 2 rows; None: every slot filled (the masked table's case)
+        for capacity, mean in ((128, 8), (128, 32), (128, 96), (512, 8), (512, 32), (512, 96), (64, None), (128, None)):
+            if mean is None:
+                counts = torch.full((e,), capacity, device=DEV, dtype=torch.int32)
+            else:
+                counts = torch.randint(mean // 2, mean * 3 // 2 + 1, (e,), device=DEV, dtype=torch.int32)
+            a = torch.randn(e, capacity, k, device=DEV, dtype=torch.bfloat16)
+            aq, a_s = _fp8_rows(e * capacity, k)
+            aq, a_s = aq.view(e, capacity, k), a_s.view(e, capacity, -1)
+            out = torch.empty(e, capacity, n // 2 if gated else n, dtype=torch.bfloat16, device=DEV)
+
+            def call(i, a=a, counts=counts, out=out):
+                return fm.grouped_gemm_nvfp4_masked(a, wb, s, gs, counts, activation=act, validate=False, out=out)
+
+            cap_tile = sm90.tile_for_layout(e * capacity, e, capacity)
+            fit_tile = sm90.tile_for(capacity if mean is None else 2 * mean)
+            fns = {
+                "capacity_tile": forced_tails(call, (), masked=True),
+                "tail_32": forced_tails(call, (32,) if cap_tile >= 64 else (), masked=True),
+                "tails_32_64": forced_tails(call, (32, 64) if cap_tile >= 128 else (), masked=True),
+                "fit_tile": forced_tails(forced_tile(call, fit_tile), (), masked=True),
+                "fp8": lambda i, aq=aq, a_s=a_s, counts=counts, out=out: fm.grouped_gemm_fp8_block_masked(
+                    aq, a_s, f8w, f8s, counts, activation=act, out=out
+                ),
+            }
+            us = timed(fns)
+            rows.append(
+                dict(
+                    table="masked_fill",
+                    experts=e,
+                    n=n,
+                    k=k,
+                    gated=gated,
+                    capacity=capacity,
+                    rows_mean=float(counts.float().mean()),
+                    capacity_tile=cap_tile,
+                    default_tails=list(sm90.tail_tiles_for(cap_tile, capacity)),
+                    fit_tile=fit_tile,
+                    **{f"{name}_us": v for name, v in us.items()},
                 )
             )
             print(rows[-1], flush=True)
@@ -192,11 +253,17 @@ def fused_rows(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tables", default="routed,tails,equal,fused")
+    parser.add_argument("--tables", default="routed,tails,masked_fill,equal,fused")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    runners = {"routed": routed_rows, "tails": tail_rows, "equal": equal_rows, "fused": fused_rows}
+    runners = {
+        "routed": routed_rows,
+        "tails": tail_rows,
+        "masked_fill": masked_fill_rows,
+        "equal": equal_rows,
+        "fused": fused_rows,
+    }
     meta = dict(table="meta", device=torch.cuda.get_device_name())
     rows: list[dict] = []
     for table in [t for t in args.tables.split(",") if t]:

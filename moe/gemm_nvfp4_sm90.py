@@ -45,7 +45,7 @@ MAX_EXPERTS = 65535  # one grid index (z) per expert
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "fim_sm90_nvfp4_w4a16_grouped": (
-        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp] + [_int] * 7 + [_float, _float] + [_int] * 5 + [_vp],
+        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp] + [_int] * 7 + [_float, _float] + [_int] * 6 + [_vp],
         _int,
     )
 }
@@ -74,19 +74,25 @@ def tile_for_layout(rows: int, num_experts: int, capacity: int | None) -> int:
     return tile_for(group_rows)
 
 
-# The tail launch's tile beside each tile of the contiguous layout: a group's rows past its last whole tile, when
-# no more than this, run on it instead of on a whole tile more (whose products, not its weight stream, are what a
-# few rows past a large tile cost). 32 for each (tiles below 32 cannot split): fused_moe of DeepSeek-V3 on H200s
-# (2026-11-28, launch/bench_nvfp4_tiles.py --tables tails, two runs), against no tail launch: E = 256, 1.07-1.15x at
-# T = 2048 (tile 64), 1.11-1.15x at 4096 (128), 1.28-1.30x at 8192 (256); E = 64, 1.12-1.24x at T = 1024 .. 4096;
-# a tail tile of 64 or 128 gained less at every one, docs/perf.md.
-TAIL_TILES = {64: 32, 128: 32, 256: 32}
+# The tail launches beside each tile: a group's rows past its last whole tile, when no more than the largest tail,
+# run on the smallest tail that holds them instead of on a whole tile more (whose products, not its weight stream,
+# are what a few rows past a large tile cost). Tiles below 32 cannot split. Each launch more costs a few
+# microseconds and a wave's rounding, so tails are few. On H200s (2026-11-28, launch/bench_nvfp4_tiles.py, docs/perf.md):
+# contiguous (fused_moe of DeepSeek-V3, tables `tails`, three runs), a tail of 32 against none: E = 256, 1.07-1.15x at
+# T = 2048 (tile 64), 1.11-1.18x at 4096 (128), 1.22-1.30x at 8192 (256); E = 64, 1.12-1.25x at T = 1024 .. 4096;
+# 64 or 128 alone gained less, 32 and 64 together 0.99-1.02x of 32 alone. Masked (the capacity's tile, which an
+# expert-parallel decode fills far less: capacity W x max tokens a rank; 32 experts, table `masked_fill`): groups of
+# a mean of 8 rows took 1.79-2.09x less time below a capacity of 128 and 2.71-3.0x below 512; of 30, 1.39-1.40x below
+# 128 and, with 32 and 64 (the 256-token tile), 2.09-2.18x below 512; of about 95, 0.97-1.07x; full groups of 64 and
+# 128 0.98-1.0x (32 and 64 beside 128 cost them 5%).
+TAIL_TILES = {64: (32,), 128: (32,), 256: (32,)}
+MASKED_TAIL_TILES = {64: (32,), 128: (32,), 256: (32, 64)}
 
 
-def tail_tile_for(tile: int, capacity: int | None) -> int:
-    """The tail launch's tile beside a launch of ``tile`` tokens (0: none), the contiguous layout only
-    (``capacity`` None)."""
-    return TAIL_TILES.get(tile, 0) if capacity is None else 0
+def tail_tiles_for(tile: int, capacity: int | None) -> tuple[int, ...]:
+    """The tail launches' tiles, ascending, beside a launch of ``tile`` tokens on the contiguous (``capacity``
+    None) or the masked layout; () for none."""
+    return (TAIL_TILES if capacity is None else MASKED_TAIL_TILES).get(tile, ())
 
 
 def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacity: int, act: int, kperm: bool) -> bool:
@@ -121,9 +127,11 @@ def launch(
     gscale = w_global_scale.contiguous()
     layout_capacity = capacity if offsets is None else None
     tile = tile_for_layout(a.shape[0], num_experts, layout_capacity)
-    tail_tile = tail_tile_for(tile, layout_capacity)
-    # Two launches when split: the whole tiles (and remainders past tail_tile rows), then the short remainders.
-    for run_tile, tail in ((tile, 0), (tail_tile, 1))[: 2 if tail_tile else 1]:
+    tails = tail_tiles_for(tile, layout_capacity)
+    # The whole tiles (and rests past the largest tail), then each tail's rests: (lo, hi] rows past the whole tiles.
+    launches = [(tile, 0, tails[-1] if tails else 0, 0)]
+    launches += [(t, lo, t, 1) for lo, t in zip((0, *tails), tails, strict=False)]
+    for run_tile, tail_lo, tail_hi, tail in launches:
         status = lib.fim_sm90_nvfp4_w4a16_grouped(
             a.data_ptr(),
             w.data_ptr(),
@@ -144,8 +152,9 @@ def launch(
             limit,
             run_tile,
             int(split_bits),
-            tile if tail_tile else 0,
-            tail_tile,
+            tile if tails else 0,
+            tail_lo,
+            tail_hi,
             tail,
             stream_of(a),
         )

@@ -233,32 +233,56 @@ def test_prefill_tiles_many_groups(rng, layout_kind, tile, k, act, split):
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("act", [None, "silu"])
 @pytest.mark.parametrize("tile", [64, 128, 256])
-def test_contiguous_tail_launch(rng, monkeypatch, tile, act, split):
-    """A tile's groups split between it and the tail launch (remainders of 1 .. the tail tile's rows past
-    the last whole tile, groups no larger than the tail tile): float64 reference, poisoned rows kept, and bit for
-    bit the output of one launch of the prefill tile alone (a tile changes no sum's order)."""
+@pytest.mark.parametrize("layout_kind", ["contiguous", "masked"])
+def test_tail_launches(rng, monkeypatch, layout_kind, tile, act, split):
+    """A tile's groups split between it and the tail launches (rests of 1 .. each tail's rows past the last whole
+    tile, groups no larger than a tail, and past the largest): float64 reference, poisoned rows kept, and bit for
+    bit the output of one launch of the tile alone (a tile changes no sum's order)."""
     seed, g = rng
     n, k = 384, 704
-    tail = sm90.tail_tile_for(tile, None)
-    assert 0 < tail < tile
-    counts = [tile + 1, tile + tail, tile + tail + 1, 2 * tile, 2 * tile + tail, tail, tail + 1, 1, 0, tile - 1]
-    counts += [int(torch.randint(1, tile, (1,), generator=g)) for _ in range(4)]
-    counts.append(max(1, tile * (len(counts) + 1) - sum(counts)))  # the mean's tile is `tile`
-    assert sm90.tile_for_layout(sum(counts), len(counts), None) == tile
+    num_experts = 16
+    capacity = None if layout_kind == "contiguous" else {64: 64, 128: 100, 256: 600}[tile]
+    tails = sm90.tail_tiles_for(tile, capacity)
+    assert tails and tails[-1] < tile
+    edges = sorted({1, *tails, *(t + 1 for t in tails)})
+    counts = [tile * (1 + e % 2) + r for e, r in enumerate(edges)] + edges + [0, tile - 1, 2 * tile]
+    counts += [int(torch.randint(1, tile, (1,), generator=g)) for _ in range(num_experts - len(counts) - 1)]
     gated = act is not None
-    layout = contiguous_layout(counts, 1, DEV)
-    a = torch.randn(layout.num_rows, k, generator=g).bfloat16().to(DEV)
-    w, s, gs = (t.to(DEV) for t in nvfp4_weights(len(counts), 2 * n if gated else n, k, g, gated=gated))
+    w, s, gs = (t.to(DEV) for t in nvfp4_weights(num_experts, 2 * n if gated else n, k, g, gated=gated))
     wp = fm.pack_nvfp4_weights(w, split_bits=split)
-    out = torch.full((layout.num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEV)
-    assert sm90.usable(a, wp.data, out, layout.expert_offsets, 2**31 - 1, int(gated), True)
-    fm.grouped_gemm_nvfp4_contiguous(a, wp, s, gs, layout, activation=act, out=out)
+    if capacity is None:
+        counts.append(max(1, tile * num_experts - sum(counts)))  # the mean's tile is `tile`
+        counts = counts[:num_experts]
+        assert sm90.tile_for_layout(sum(counts), num_experts, None) == tile
+        layout = contiguous_layout(counts, 1, DEV)
+        a = torch.randn(layout.num_rows, k, generator=g).bfloat16().to(DEV)
+        out = torch.full((layout.num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        assert sm90.usable(a, wp.data, out, layout.expert_offsets, 2**31 - 1, int(gated), True)
+
+        def run(out):
+            fm.grouped_gemm_nvfp4_contiguous(a, wp, s, gs, layout, activation=act, out=out)
+
+        counts_t, offsets = layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu()
+    else:
+        counts = (counts + [capacity + 5])[:num_experts]  # one count past the capacity (clamped)
+        assert sm90.tile_for_layout(num_experts * capacity, num_experts, capacity) == tile
+        a = torch.randn(num_experts, capacity, k, generator=g).bfloat16().to(DEV)
+        out = torch.full((num_experts, capacity, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        _assert_taken(a, wp, out, None, capacity, act)
+        counts_dev = torch.tensor(counts, dtype=torch.int32, device=DEV)
+
+        def run(out):
+            fm.grouped_gemm_nvfp4_masked(a, wp, s, gs, counts_dev, activation=act, out=out)
+
+        counts_t = torch.tensor(counts).clamp(max=capacity).int()
+        offsets = torch.arange(num_experts, dtype=torch.int32) * capacity
+    run(out)
     whole = torch.full_like(out, float("nan"))
-    monkeypatch.setattr(sm90, "tail_tile_for", lambda tile, capacity: 0)
-    fm.grouped_gemm_nvfp4_contiguous(a, wp, s, gs, layout, activation=act, out=whole)
+    monkeypatch.setattr(sm90, "tail_tiles_for", lambda tile, capacity: ())
+    run(whole)
     torch.cuda.synchronize()
-    counts_t, offsets = layout.tokens_per_expert.cpu(), layout.expert_offsets.cpu()
-    owned = owned_rows(counts_t, offsets, layout.num_rows)
+    a, out, whole = a.view(-1, k), out.view(-1, n), whole.view(-1, n)
+    owned = owned_rows(counts_t, offsets, out.shape[0])
     want = grouped_reference(a, w, s, gs, counts_t, offsets, act).cpu()
     assert rel_err(out.cpu()[owned], want[owned]) < 1e-2, seed
     assert out.cpu()[~owned].isnan().all(), "rows no group owns must keep the poison"
@@ -277,7 +301,7 @@ def test_tail_launch_below_32_tokens_is_refused(rng, monkeypatch):
     w, s, gs = (t.to(DEV) for t in nvfp4_weights(len(counts), 64, 128, g))
     wp = fm.pack_nvfp4_weights(w, split_bits=True)
     out = torch.empty(layout.num_rows, 64, dtype=torch.bfloat16, device=DEV)
-    monkeypatch.setattr(sm90, "tail_tile_for", lambda tile, capacity: 16)
+    monkeypatch.setattr(sm90, "tail_tiles_for", lambda tile, capacity: (16,))
     with pytest.raises(KernelLaunchError, match="grouped_gemm_nvfp4"):
         fm.grouped_gemm_nvfp4_contiguous(a, wp, s, gs, layout, out=out)
 

@@ -96,10 +96,11 @@ struct Params {
   // Contiguous layout with fewer rows than experts: CTA row y serves the group that starts at row y (if any), so
   // that the grid has min(rows, E) CTA rows, not one per expert, most of them idle at decode.
   int row_map;
-  // A group's rows past its last whole tile of split_tile tokens, when 1 .. tail_rows of them, are left to a second
-  // launch of a smaller tile (tail: this launch is it), so that a group a little past a prefill tile does not pay
-  // for a second whole one. split_tile 0: every row here.
-  int split_tile, tail_rows, tail;
+  // A group's rows past its last whole tile of split_tile tokens, when 1 .. tail_hi of them, are left to launches
+  // of smaller tiles, each taking the groups whose rest is in (tail_lo, tail_hi] (tail: this launch is one), so that
+  // a group a little past a tile (or a masked group far below its capacity) does not pay for a whole one.
+  // split_tile 0: every row here.
+  int split_tile, tail_lo, tail_hi, tail;
 };
 // Tiles of 32 tokens and more (kTma): the stages by TMA, from these maps (128-byte swizzle; boxes of [T rows, 64] of a,
 // [64 rows, 128 bytes] of w, [64 rows, 16 bytes] of the block scales where s_tma, else those by cp.async). The smaller
@@ -309,12 +310,13 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
   int count = min(__ldg(p.counts + e), p.capacity);
   int64_t first_row = p.offsets ? __ldg(p.offsets + e) : static_cast<int64_t>(e) * p.capacity;
   if (T >= 32 && p.split_tile) {  // (the decode tiles of 8 and 16 take no part: their SASS stays as it was)
-    const int rest = count % p.split_tile, whole = rest <= p.tail_rows ? count - rest : count;
+    const int rest = count % p.split_tile;
     if (p.tail) {
-      first_row += whole;
-      count -= whole;
-    } else {
-      count = whole;
+      const bool mine = rest > p.tail_lo && rest <= p.tail_hi;
+      first_row += count - rest;
+      count = mine ? rest : 0;
+    } else if (rest <= p.tail_hi) {
+      count -= rest;
     }
   }
   if (count <= 0) return;
@@ -702,17 +704,18 @@ cudaError_t launch_act(const ParamsTma& p, int grid_rows, int grid_tiles, int ti
 // 2]); split_bits: the weights' words have split bits (moe/packed_nvfp4.py), else they are K-permuted bytes; offsets
 // null for the masked layout (capacity C), else the contiguous layout's group starts, non-decreasing (capacity: a
 // bound); rows: the rows of a (at least 1). K a multiple of 64, nw (and nw / 2 when gated) a multiple of 64, all
-// pointers 16-byte aligned. split_tile, tail_rows, tail: see Params (split_tile 0, or a tile larger than tail_rows;
-// the two launches of a split take the same split_tile and tail_rows, tail 0 and 1, and tiles of 32 or more).
+// pointers 16-byte aligned. split_tile, tail_lo, tail_hi, tail: see Params (split_tile 0, or larger than tail_hi;
+// the launches of a split take the same split_tile, tiles of 32 or more, the first tail_lo 0 and the largest tail_hi,
+// each tail launch its own range).
 extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const void* scale, const float* gscale,
                                             int gscale_stride, const int32_t* counts, const int32_t* offsets, void* out,
                                             int out_f32, int num_experts, int rows, int capacity, int nw, int k,
                                             int act, float alpha, float limit, int tile, int split_bits, int split_tile,
-                                            int tail_rows, int tail, void* stream) {
+                                            int tail_lo, int tail_hi, int tail, void* stream) {
   using namespace fim::sm90_nvfp4;
   if (k % 64 || nw % 64 || (act && nw % 128) || capacity <= 0 || rows <= 0) return cudaErrorInvalidValue;
-  // (A split needs tiles of 32 tokens or more in both launches: the smaller ones' kernels take every row.)
-  if (split_tile < 0 || (split_tile && (tile < 32 || tail_rows <= 0 || tail_rows >= split_tile)) ||
+  // (A split needs tiles of 32 tokens or more in every launch: the smaller ones' kernels take every row.)
+  if (split_tile < 0 || (split_tile && (tile < 32 || tail_lo < 0 || tail_hi <= tail_lo || tail_hi >= split_tile)) ||
       (tail && !split_tile))
     return cudaErrorInvalidValue;
   const int row_map = offsets != nullptr && rows < num_experts;
@@ -736,7 +739,8 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
                                    num_experts,
                                    row_map,
                                    split_tile,
-                                   tail_rows,
+                                   tail_lo,
+                                   tail_hi,
                                    tail};
   if (tma_tiles(tile)) {
     const cudaError_t err = encode_maps(p, rows, tile);
@@ -748,7 +752,7 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
   // an expert's mean rows fill (masked: the capacity), so that balanced prefill groups spread over the whole GPU
   // while the CTAs of small or uneven groups loop instead of idling.
   const int64_t mean_rows = offsets ? (static_cast<int64_t>(rows) + num_experts - 1) / num_experts : capacity;
-  const int64_t bound = std::min<int64_t>(tail ? tail_rows : mean_rows, capacity);
+  const int64_t bound = std::min<int64_t>(tail ? tail_hi : mean_rows, capacity);
   const int grid_tiles = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((bound + tile - 1) / tile, 65535)));
   return split_bits ? launch_act<true>(p, grid_rows, grid_tiles, tile, s)
                     : launch_act<false>(p, grid_rows, grid_tiles, tile, s);
