@@ -1,6 +1,7 @@
 """The Hopper NVFP4 (W4A16) grouped GEMM written in CUDA (``csrc/gemm/sm90_nvfp4_w4a16_grouped.cu``), for
 K-permuted weights, over the masked and the contiguous layouts: decode tiles of 8-64 tokens and prefill tiles of
-128 and 256.
+128 and 256, with tail launches of a smaller tile for each group's few rows past its last whole tile
+(``tail_tiles_for``).
 
 Its weights are wgmma's register operand, expanded by the thread whose registers wgmma reads them from, so no
 expanded weight passes through shared memory, and double-buffered, so that a span's expansion runs while the
