@@ -47,69 +47,36 @@ from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90  # noqa: E402
 DEV = "cuda"
 
 
-def forced_tile(fn, tile: int):
-    """``fn`` with the CUDA kernel's token tile fixed to ``tile``."""
-    chooser = sm90.tile_for_layout
+def patched(fn, name: str, chooser):
+    """``fn`` with ``sm90.<name>`` replaced by ``chooser`` around each call (and so in a captured graph)."""
+    original = getattr(sm90, name)
 
     def call(i):
-        sm90.tile_for_layout = lambda rows, experts, capacity: tile
+        setattr(sm90, name, chooser)
         try:
             return fn(i)
         finally:
-            sm90.tile_for_layout = chooser
+            setattr(sm90, name, original)
 
     return call
 
 
-def routed_rows(rows: list[dict]) -> None:
-    for e, tokens in ((256, (256, 512, 768, 1024, 1536, 2048, 4096)), (64, (128, 256, 512, 1024, 4096))):
-        nv = deepseek_layer(e, ("nvfp4_split",))["nvfp4_split"]
-        for t in tokens:
-            x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
-            weights, ids = fm.route(torch.randn(t, e, device=DEV), TOP_K)
-            counts = torch.bincount(ids.reshape(-1), minlength=e)
-            out = torch.empty(t, H, dtype=torch.bfloat16, device=DEV)
-            call = moe_call(x, weights, ids, out, nv)
-            mean_tile = sm90.tile_for(-(-t * TOP_K // e))
-            tiles = [tile for tile in sm90.TILES if tile >= mean_tile][:3]
-            outs = []
-            for tile in tiles:
-                forced_tile(call, tile)(0)
-                outs.append(out.clone())
-            us = timed({f"tile_{tile}": forced_tile(call, tile) for tile in tiles}, calls=4, reps=5)
-            rows.append(
-                dict(
-                    table="routed",
-                    experts=e,
-                    tokens=t,
-                    rows_mean=t * TOP_K / e,
-                    rows_min=int(counts.min()),
-                    rows_max=int(counts.max()),
-                    default_tile=sm90.tile_for_layout(t * TOP_K, e, None),
-                    **{f"{name}_us": v for name, v in us.items()},
-                    outputs_bit_equal=all(torch.equal(o, outs[0]) for o in outs),
-                )
-            )
-            print(rows[-1], flush=True)
+def forced_tile(fn, tile: int):
+    """``fn`` with the CUDA kernel's token tile fixed to ``tile``."""
+    return patched(fn, "tile_for_layout", lambda rows, experts, capacity: tile)
 
 
 def forced_tails(fn, tails: tuple[int, ...], masked: bool = False):
     """``fn`` with the tail launches' tiles fixed to ``tails`` (() for none) beside the default tile, on the
     contiguous layout (``masked``: on the masked one)."""
-    chooser = sm90.tail_tiles_for
-
-    def call(i):
-        sm90.tail_tiles_for = lambda tile, capacity: tails if (capacity is not None) == masked else ()
-        try:
-            return fn(i)
-        finally:
-            sm90.tail_tiles_for = chooser
-
-    return call
+    return patched(fn, "tail_tiles_for", lambda tile, capacity: tails if (capacity is not None) == masked else ())
 
 
-def tail_rows(rows: list[dict]) -> None:
-    for e, tokens in ((256, (2048, 4096, 8192)), (64, (1024, 2048, 4096))):
+def routed_table(rows: list[dict], table: str, cases, variants, fields) -> None:
+    """``fused_moe`` of a DeepSeek-V3 layer on routed tokens, for each ``(E, tokens)`` of ``cases``: the wrappers of
+    ``variants(tile)`` (name -> wrapper of the call; ``tile`` the default one) timed in turn and their outputs
+    compared bit for bit; ``fields(tile)`` adds the row's own."""
+    for e, tokens in cases:
         nv = deepseek_layer(e, ("nvfp4_split",))["nvfp4_split"]
         for t in tokens:
             x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
@@ -118,28 +85,45 @@ def tail_rows(rows: list[dict]) -> None:
             out = torch.empty(t, H, dtype=torch.bfloat16, device=DEV)
             call = moe_call(x, weights, ids, out, nv)
             tile = sm90.tile_for_layout(t * TOP_K, e, None)
-            tails = [(), *[(c,) for c in (32, 64, 128) if c < tile]] + ([(32, 64)] if tile > 64 else [])
+            fns = {name: wrap(call) for name, wrap in variants(tile, -(-t * TOP_K // e)).items()}
             outs = []
-            for tail in tails:
-                forced_tails(call, tail)(0)
+            for fn in fns.values():
+                fn(0)
                 outs.append(out.clone())
-            name = lambda tail: "tail_" + ("_".join(map(str, tail)) or "0")  # noqa: E731
-            us = timed({name(tail): forced_tails(call, tail) for tail in tails}, calls=4, reps=5)
+            us = timed(fns, calls=4, reps=5)
             rows.append(
                 dict(
-                    table="tails",
+                    table=table,
                     experts=e,
                     tokens=t,
                     rows_mean=t * TOP_K / e,
                     rows_min=int(counts.min()),
                     rows_max=int(counts.max()),
-                    tile=tile,
-                    default_tails=list(sm90.tail_tiles_for(tile, None)),
+                    **fields(tile),
                     **{f"{name}_us": v for name, v in us.items()},
                     outputs_bit_equal=all(torch.equal(o, outs[0]) for o in outs),
                 )
             )
             print(rows[-1], flush=True)
+
+
+def routed_rows(rows: list[dict]) -> None:
+    def variants(tile, mean):
+        tiles = [c for c in sm90.TILES if c >= sm90.tile_for(mean)][:3]
+        return {f"tile_{c}": lambda call, c=c: forced_tile(call, c) for c in tiles}
+
+    cases = ((256, (256, 512, 768, 1024, 1536, 2048, 4096)), (64, (128, 256, 512, 1024, 4096)))
+    routed_table(rows, "routed", cases, variants, lambda tile: dict(default_tile=tile))
+
+
+def tail_rows(rows: list[dict]) -> None:
+    def variants(tile, mean):
+        tails = [(), *[(c,) for c in (32, 64, 128) if c < tile]] + ([(32, 64)] if tile > 64 else [])
+        return {"tail_" + ("_".join(map(str, c)) or "0"): lambda call, c=c: forced_tails(call, c) for c in tails}
+
+    cases = ((256, (2048, 4096, 8192)), (64, (1024, 2048, 4096)))
+    fields = lambda tile: dict(tile=tile, default_tails=list(sm90.tail_tiles_for(tile, None)))  # noqa: E731
+    routed_table(rows, "tails", cases, variants, fields)
 
 
 def masked_fill_rows(rows: list[dict]) -> None:
