@@ -13,7 +13,8 @@ Tables:
   off, to each smaller tile, and to 32 and 64; outputs compared bit for bit as above.
 - masked_fill: ``grouped_gemm_nvfp4_masked`` on 32 experts whose groups fill little of the capacity (as an
   expert-parallel decode's dispatch does) or all of it: the capacity's tile without tail launches, with one of
-  32, with 32 and 64, and the tile of the groups' actual size (which the host does not know), against FP8 block.
+  32, with 32 and 64 (and 128 beside 256), and the tile of the groups' actual size (which the host does not
+  know), against FP8 block.
 - equal: ``grouped_gemm_nvfp4_contiguous`` on 32 equal groups of 12 .. 64 rows at (7168, 2048) and, gated,
   (4096, 7168): the mean's tile and the next.
 - fused: the ``fused_moe`` cases of ``bench_nvfp4.py`` (E = 256 and 64, T in {1, 16, 128, 4096}) with the default
@@ -128,8 +129,8 @@ def tail_rows(rows: list[dict]) -> None:
 
 def masked_fill_rows(rows: list[dict]) -> None:
     """The masked layout below its capacity (an expert-parallel decode's dispatch: capacity W x max tokens a rank):
-    the capacity's tile without tail launches, with one of 32, with 32 and 64, and the tile of the actual groups
-    (which the host does not know), against FP8 block on the same layout."""
+    the capacity's tile without tail launches, with one of 32, with 32 and 64 (and 128 beside 256), and the tile of
+    the actual groups (which the host does not know), against FP8 block on the same layout."""
     from bench_gemm import _fp8_rows, _fp8_weights
 
     e = 32
@@ -139,7 +140,8 @@ def masked_fill_rows(rows: list[dict]) -> None:
         f8w, f8s = _fp8_weights(e, n, k)
         act = "silu" if gated else None
         # (capacity, mean): groups of mean / 2 .. 3 mean / 2 rows; None: every slot filled (the masked table's case)
-        for capacity, mean in ((128, 8), (128, 32), (128, 96), (512, 8), (512, 32), (512, 96), (64, None), (128, None)):
+        cases = ((128, 8), (128, 32), (128, 96), (512, 8), (512, 32), (512, 96), (512, 160), (64, None), (128, None))
+        for capacity, mean in cases + ((512, None),):
             if mean is None:
                 counts = torch.full((e,), capacity, device=DEV, dtype=torch.int32)
             else:
@@ -158,6 +160,7 @@ def masked_fill_rows(rows: list[dict]) -> None:
                 "capacity_tile": forced_tails(call, (), masked=True),
                 "tail_32": forced_tails(call, (32,) if cap_tile >= 64 else (), masked=True),
                 "tails_32_64": forced_tails(call, (32, 64) if cap_tile >= 128 else (), masked=True),
+                "tails_32_64_128": forced_tails(call, (32, 64, 128) if cap_tile >= 256 else (), masked=True),
                 "fit_tile": forced_tails(forced_tile(call, fit_tile), (), masked=True),
                 "fp8": lambda i, aq=aq, a_s=a_s, counts=counts, out=out: fm.grouped_gemm_fp8_block_masked(
                     aq, a_s, f8w, f8s, counts, activation=act, out=out

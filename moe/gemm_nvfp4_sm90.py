@@ -84,10 +84,11 @@ def tile_for_layout(rows: int, num_experts: int, capacity: int | None) -> int:
 # 64 or 128 alone gained less, 32 and 64 together 0.99-1.02x of 32 alone. Masked (the capacity's tile, which an
 # expert-parallel decode fills far less: capacity W x max tokens a rank; 32 experts, table `masked_fill`): groups of
 # a mean of 8 rows took 1.79-2.09x less time below a capacity of 128 and 2.71-3.0x below 512; of 30, 1.39-1.40x below
-# 128 and, with 32 and 64 (the 256-token tile), 2.09-2.18x below 512; of about 95, 0.97-1.07x; full groups of 64 and
-# 128 0.98-1.0x (32 and 64 beside 128 cost them 5%).
+# 128 and, with 32 and 64 (the 256-token tile), 2.09-2.18x below 512; of about 95, 0.97-1.07x below 128 and, with 32,
+# 64 and 128, 1.30x and 1.37x below 512 (1.04-1.08x at 160); full groups 0.95-1.0x (32 and 64 beside 128 cost them
+# 2-5%, so that tile keeps one).
 TAIL_TILES = {64: (32,), 128: (32,), 256: (32,)}
-MASKED_TAIL_TILES = {64: (32,), 128: (32,), 256: (32, 64)}
+MASKED_TAIL_TILES = {64: (32,), 128: (32,), 256: (32, 64, 128)}
 
 
 def tail_tiles_for(tile: int, capacity: int | None) -> tuple[int, ...]:

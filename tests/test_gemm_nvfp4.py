@@ -272,15 +272,15 @@ def test_cuda_kernel_tile_for_layout(rows, experts, capacity, tile):
         (64, None, (32,)),
         (32, None, ()),
         (8, None, ()),
-        (256, 600, (32, 64)),
+        (256, 600, (32, 64, 128)),
         (128, 128, (32,)),
         (64, 64, (32,)),
         (32, 32, ()),
     ],
 )
 def test_cuda_kernel_tail_tiles(tile, capacity, tails):
-    """The tail launches beside the Hopper CUDA kernel's tile: 32 tokens beside tiles of 64 and more, 32 and 64
-    beside the masked layout's 256 (an expert-parallel decode fills far less than the capacity), none below 64
+    """The tail launches beside the Hopper CUDA kernel's tile: 32 tokens beside tiles of 64 and more, 32, 64 and
+    128 beside the masked layout's 256 (an expert-parallel decode fills far less than the capacity), none below 64
     (tiles of 8 and 16 cannot split)."""
     from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90
 

@@ -240,12 +240,12 @@ def test_tail_launches(rng, monkeypatch, layout_kind, tile, act, split):
     bit the output of one launch of the tile alone (a tile changes no sum's order)."""
     seed, g = rng
     n, k = 384, 704
-    num_experts = 16
     capacity = None if layout_kind == "contiguous" else {64: 64, 128: 100, 256: 600}[tile]
     tails = sm90.tail_tiles_for(tile, capacity)
     assert tails and tails[-1] < tile
     edges = sorted({1, *tails, *(t + 1 for t in tails)})
     counts = [tile * (1 + e % 2) + r for e, r in enumerate(edges)] + edges + [0, tile - 1, 2 * tile]
+    num_experts = len(counts) + 5
     counts += [int(torch.randint(1, tile, (1,), generator=g)) for _ in range(num_experts - len(counts) - 1)]
     gated = act is not None
     w, s, gs = (t.to(DEV) for t in nvfp4_weights(num_experts, 2 * n if gated else n, k, g, gated=gated))
