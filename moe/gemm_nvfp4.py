@@ -8,7 +8,8 @@ for the up rows, since a checkpoint quantizes ``gate_proj`` and ``up_proj`` sepa
 ``weight_scale_2`` may differ (kept exact rather than requantized to a common scale). On a GPU a call launches
 the Triton kernel of ``gemm_nvfp4_kernel`` (no host sync beyond the optional value check); on a CPU the
 reference runs on the dequantized weights. On Hopper, K-permuted weights with bf16 activations take the CUDA
-kernel of ``gemm_nvfp4_sm90`` instead, at every group size.
+kernel of ``gemm_nvfp4_sm90`` instead, at every group size. With ``float8_e4m3fn`` activations and their scales the
+calls are W4A8, on weights packed for it (``moe/gemm_nvfp4_w4a8.py``).
 
 Dimension legend: ``E`` experts, ``R`` rows of the contiguous layout, ``C`` masked capacity, ``K`` reduction,
 ``N`` weight rows (``2 I`` for GEMM1 with an activation, whose output has ``I`` columns).
@@ -24,6 +25,7 @@ from flashinfer_moe import reference_quant as ref_quant
 from flashinfer_moe._ops import LIB, on_device
 
 from .gemm import _ACT_DOC, _activation, _check_experts, _outputs, _rows_and_groups
+from .gemm_nvfp4_w4a8 import check_activation_scale, check_w4a8_weights
 from .gemm_op import ACT_NAMES
 from .packed_nvfp4 import PLAIN, SPLIT_BITS, PackedNvfp4Weights, check_packable
 from .quant import FP8
@@ -154,6 +156,11 @@ def check_weights(
     scale's values are not read here (see :func:`check_global_scale_values`). ``w`` may be
     :class:`PackedNvfp4Weights` (returned as given, its data checked)."""
     w_name, s_name, g_name, k_name = names
+    if isinstance(w, PackedNvfp4Weights) and w.w4a8 and like.dtype != FP8:
+        raise ValueError(
+            f"{w_name} holds W4A8 words (pack_nvfp4_weights(w, w4a8=True)), which take float8_e4m3fn activations "
+            f"only, got {k_name} of dtype {like.dtype}"
+        )
     if k % K_MULTIPLE:
         raise ValueError(f"{k_name} must have K a multiple of {K_MULTIPLE} for NVFP4 weights, got K = {k}")
     given = w
@@ -211,20 +218,49 @@ def check_moe_weights(hidden, w13, w2, w13_scale, w2_scale, w13_global_scale, w2
     return num_experts, first, second
 
 
-def _nvfp4(a, w, w_block_scale, w_global_scale, layout, masked, activation, alpha, limit, out_dtype, out, validate):
+def _nvfp4(
+    a, a_scale, w, w_block_scale, w_global_scale, layout, masked, activation, alpha, limit, out_dtype, out, validate
+):
     a = _checks.tensor("a", a)
     _checks.ndim("a", a, 3 if masked else 2, "[E, C, K]" if masked else "[R, K]")
-    _checks.dtype_in("a", a, ACTIVATION_DTYPES)
+    _checks.dtype_in("a", a, (*ACTIVATION_DTYPES, FP8))
     _checks.unit_last_stride("a", a)
+    a8 = a.dtype == FP8
+    if a8:
+        check_w4a8_weights(w)
+        a_scale = check_activation_scale(a_scale, a)
+    elif a_scale is not None:
+        raise ValueError(f"a_scale is for float8_e4m3fn activations only, got a of dtype {a.dtype}")
     w, s, g = check_weights(w, w_block_scale, w_global_scale, a.shape[-1], a, gated=activation is not None)
     counts, offsets, capacity = _rows_and_groups(a, layout, masked)
     _check_experts(w, counts, "tokens_per_expert" if masked else "layout")
     act, n, alpha, limit = _activation(activation, w, alpha, limit)
-    (out,) = _outputs(out, a, n, a.dtype if out_dtype is None else out_dtype, False)
+    default_dtype = torch.bfloat16 if a8 else a.dtype
+    (out,) = _outputs(out, a, n, default_dtype if out_dtype is None else out_dtype, False)
     if validate:
         check_global_scale_values(w_global_scale=g)
+        if a8 and _value_check_applies(s) and bool((s.view(torch.uint8) >= 0x80).any()):
+            # W4A8 folds the block scale into each weight's e4m3 table and ors in the weight's sign.
+            raise ValueError("w_block_scale must be non-negative for W4A8 (float8_e4m3fn a): NVFP4's block scales are")
     packed = isinstance(w, PackedNvfp4Weights)
-    if a.numel() and out.numel():
+    if a8 and a.numel() and out.numel():
+        if not a.is_contiguous():
+            a = a.contiguous()
+        torch.ops.flashinfer_moe.grouped_gemm_nvfp4_w4a8_(
+            a.reshape(-1, a.shape[-1]),
+            a_scale,
+            w.data,
+            s,
+            g,
+            counts,
+            offsets,
+            out.view(-1, n),
+            act,
+            alpha,
+            limit,
+            capacity,
+        )
+    elif a.numel() and out.numel():
         torch.ops.flashinfer_moe.grouped_gemm_nvfp4_(
             a.reshape(-1, a.shape[-1]),
             w.data if packed else w,
@@ -245,7 +281,8 @@ def _nvfp4(a, w, w_block_scale, w_global_scale, layout, masked, activation, alph
 # ---------------------------------------------------------------------------------------------- public
 
 _WEIGHTS_DOC = """w: `[E, N, K / 2]` uint8, two E2M1 codes per byte, element ``2i`` in the low nibble (ModelOpt
-            ``weight``); or the same K-permuted by :func:`pack_nvfp4_weights` (faster on Hopper).
+            ``weight``); or the same K-permuted by :func:`pack_nvfp4_weights` (faster on Hopper); with FP8
+            activations, the same packed by ``pack_nvfp4_weights(w, w4a8=True)`` (only those).
         w_block_scale: `[E, N, K / 16]` float8_e4m3fn, one scale per 16 elements along K (``weight_scale``).
         w_global_scale: `[E]` float32, positive and finite (``weight_scale_2``); with an activation also
             `[E, 2]`: the gate rows' and the up rows' global scales."""
@@ -258,6 +295,7 @@ def grouped_gemm_nvfp4_contiguous(
     w_global_scale,
     layout,
     *,
+    a_scale=None,
     activation=None,
     alpha=1.702,
     limit=7.0,
@@ -267,23 +305,27 @@ def grouped_gemm_nvfp4_contiguous(
 ) -> torch.Tensor:
     """NVFP4-weight grouped GEMM over the contiguous layout: the weights are expanded to the dtype of ``a``
     (exactly), multiplied with fp32 accumulation, and the global scale applied to the fp32 sum. Rows no
-    expert owns (padding) are not written.
+    expert owns (padding) are not written. With float8_e4m3fn ``a`` (W4A8) each block scale is folded into its
+    weights as ``e4m3(|e2m1| x scale / 8)``, an E4M3 rounding (``moe/gemm_nvfp4_w4a8.py``; its error against
+    W4A16 in docs/perf.md).
 
     Args:
-        a: `[R, K]` bfloat16 or float16, ``K`` a multiple of 32 (e.g. from :func:`permute`).
+        a: `[R, K]` bfloat16 or float16, ``K`` a multiple of 32 (e.g. from :func:`permute`); or float8_e4m3fn
+            (W4A8: ``K`` a multiple of 64 and ``a_scale`` given).
         {weights}
         layout: the contiguous :class:`ExpertLayout` ``a`` is in.
+        a_scale: float8_e4m3fn ``a``'s float32 dequantization scales: `[R]` (one per row) or one element.
         {act}
-        out_dtype: default the dtype of ``a``; or float32.
-        validate: check that the global scales are positive and finite (one host sync on a GPU; skipped
-            under CUDA-graph capture and torch.compile).
+        out_dtype: default the dtype of ``a`` (bfloat16 for float8_e4m3fn ``a``); or float32.
+        validate: check that the global scales are positive and finite, and for W4A8 that the block scales are
+            non-negative (one host sync on a GPU; skipped under CUDA-graph capture and torch.compile).
         out: optional `[R, N]` (or `[R, N / 2]`) buffer.
 
     Returns:
         `[R, N]` (or `[R, N / 2]`).
     """
     return _nvfp4(
-        a, w, w_block_scale, w_global_scale, layout, False, activation, alpha, limit, out_dtype, out, validate
+        a, a_scale, w, w_block_scale, w_global_scale, layout, False, activation, alpha, limit, out_dtype, out, validate
     )
 
 
@@ -294,6 +336,7 @@ def grouped_gemm_nvfp4_masked(
     w_global_scale,
     tokens_per_expert,
     *,
+    a_scale=None,
     activation=None,
     alpha=1.702,
     limit=7.0,
@@ -305,11 +348,13 @@ def grouped_gemm_nvfp4_masked(
     ``m_e = min(tokens_per_expert[e], C)``; slots past ``m_e`` are not written.
 
     Args:
-        a: `[E, C, K]` bfloat16 or float16, ``K`` a multiple of 32.
+        a: `[E, C, K]` bfloat16 or float16, ``K`` a multiple of 32; or float8_e4m3fn (W4A8, as in the
+            contiguous form).
         {weights}
         tokens_per_expert: `[E]` int32 on the device (or the masked :class:`ExpertLayout`).
+        a_scale: float8_e4m3fn ``a``'s float32 scales: `[E, C]` (one per row) or one element.
         {act}
-        out_dtype: default the dtype of ``a``; or float32.
+        out_dtype: default the dtype of ``a`` (bfloat16 for float8_e4m3fn ``a``); or float32.
         validate: as in the contiguous form.
         out: optional `[E, C, N]` (or `[E, C, N / 2]`) buffer.
 
@@ -317,7 +362,19 @@ def grouped_gemm_nvfp4_masked(
         `[E, C, N]` (or `[E, C, N / 2]`).
     """
     return _nvfp4(
-        a, w, w_block_scale, w_global_scale, tokens_per_expert, True, activation, alpha, limit, out_dtype, out, validate
+        a,
+        a_scale,
+        w,
+        w_block_scale,
+        w_global_scale,
+        tokens_per_expert,
+        True,
+        activation,
+        alpha,
+        limit,
+        out_dtype,
+        out,
+        validate,
     )
 
 

@@ -42,11 +42,12 @@ TILES = (8, 16, 32, 64, 128, 256)  # tokens per CTA tile (wgmma's N); 128 and 25
 # several tiles, side by side where the groups' mean size fills them (else one CTA after the other), each reading
 # the CTA's weight rows again (from L2).
 MAX_EXPERTS = 65535  # one grid index (z) per expert
+W4A8_MAX_TILE = 128  # W4A8's largest tile (256 tokens' accumulators beside its tables spill)
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "fim_sm90_nvfp4_w4a16_grouped": (
-        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp] + [_int] * 7 + [_float, _float] + [_int] * 6 + [_vp],
+        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp] + [_int] * 7 + [_float, _float] + [_int] * 6 + [_vp, _int, _vp],
         _int,
     )
 }
@@ -97,12 +98,15 @@ def tail_tiles_for(tile: int, capacity: int | None) -> tuple[int, ...]:
     return (TAIL_TILES if capacity is None else MASKED_TAIL_TILES).get(tile, ())
 
 
-def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacity: int, act: int, kperm: bool) -> bool:
-    """Whether the kernel takes the call: sm_90, K-permuted weights, bf16 activations, weight rows (and GEMM1's
-    output columns) a multiple of 64, dense operands with 16-byte aligned activations and outputs."""
-    if envs.gemm_backend() == "triton" or not kperm:
+def usable(
+    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacity: int, act: int, kperm: bool, a8: bool = False
+) -> bool:
+    """Whether the kernel takes the call: sm_90, K-permuted weights, bf16 activations (``a8``: W4A8 words and e4m3
+    activations), weight rows (and GEMM1's output columns) a multiple of 64, dense operands with 16-byte aligned
+    activations and outputs. (W4A8 has no other kernel: ``FLASHINFER_MOE_GEMM_BACKEND=triton`` leaves it on.)"""
+    if (envs.gemm_backend() == "triton" and not a8) or not kperm:
         return False
-    if a.dtype != torch.bfloat16 or out.dtype not in (torch.bfloat16, torch.float32):
+    if a.dtype != (torch.float8_e4m3fn if a8 else torch.bfloat16) or out.dtype not in (torch.bfloat16, torch.float32):
         return False
     if not is_sm90(a.device.index):
         return False
@@ -115,12 +119,25 @@ def usable(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, offsets, capacit
 
 
 def launch(
-    a, w, w_block_scale, w_global_scale, out, counts, offsets, *, act, alpha, limit, capacity, split_bits=False
+    a,
+    w,
+    w_block_scale,
+    w_global_scale,
+    out,
+    counts,
+    offsets,
+    *,
+    act,
+    alpha,
+    limit,
+    capacity,
+    split_bits=False,
+    a_scale=None,
 ) -> None:
     """Launch on ``a`` `[R, K]` (masked: `[E * C, K]`), ``w`` `[E, NW, K / 2]` (K-permuted; with ``split_bits``
     in split bits too), ``w_block_scale`` `[E, NW, K / 16]`, ``w_global_scale`` `[E]` or `[E, 2]`, ``out``
     `[R, N]`, ``counts`` `[E]` int32, ``offsets`` `[E]` int32 group starts (contiguous) or None (masked); no
-    host sync."""
+    host sync. W4A8: ``a`` e4m3, ``w`` in W4A8 words, ``a_scale`` fp32 `[R]` or `[1]`."""
     lib = kernel_library(SPEC.name, _SIGNATURES)
     num_experts, nw, half_k = w.shape
     scale = w_block_scale.contiguous()
@@ -129,6 +146,10 @@ def launch(
     gscale = w_global_scale.contiguous()
     layout_capacity = capacity if offsets is None else None
     tile = tile_for_layout(a.shape[0], num_experts, layout_capacity)
+    if a_scale is not None:
+        tile = min(tile, W4A8_MAX_TILE)
+    # The kernel's weight modes: K-permuted bytes, split bits, W4A8 words.
+    mode = 2 if a_scale is not None else int(split_bits)
     tails = tail_tiles_for(tile, layout_capacity)
     # The whole tiles (and rests past the largest tail), then each tail's rests: (lo, hi] rows past the whole tiles.
     launches = [(tile, 0, tails[-1] if tails else 0, 0)]
@@ -153,11 +174,13 @@ def launch(
             alpha,
             limit,
             run_tile,
-            int(split_bits),
+            mode,
             tile if tails else 0,
             tail_lo,
             tail_hi,
             tail,
+            None if a_scale is None else a_scale.data_ptr(),
+            0 if a_scale is None or a_scale.numel() == 1 else 1,
             stream_of(a),
         )
         check_launch(lib, status, "grouped_gemm_nvfp4 (sm90)")

@@ -26,6 +26,15 @@ scale times 2**118 (at most 448 * 2**118, inside bf16's range), exact in bf16, i
 exhaustively), so the last pair takes two pieces: 5 masks and 2 rotations per 8 weights, plus two left shifts
 that ptxas can issue as multiplies, against the lookup's 10 ``prmt`` and 5 logic and shift instructions.
 
+W4A8 words (``w4a8=True``): for the Hopper kernel with FP8 activations, whose wgmma steps are 32 deep and take
+each thread's weights as four e4m3 of one row and block (``k`` = 4 ``q`` .. 4 ``q`` + 3) and four of the next
+block (16 further). In span ``d`` of a row, the 4-byte word at byte 8 ``q`` + 4 ``c`` (``c`` < 2: the 32-deep
+step) holds the weights ``k`` = 64 ``d`` + 32 ``c`` + 4 ``q`` + ``i`` (a, ``i`` < 4) and those 16 further (b):
+the 3-bit magnitude of a's weight ``i`` at bits 4 ``i`` .. 4 ``i`` + 2, its sign at bit 8 ``i`` + 7; b's magnitude
+at bits 16 + 4 ``i`` .., its sign at bit 8 ``i`` + 3. So a's signs already sit at its four output bytes' top bits,
+and b's reach them by one shift: a byte-permute lookup of each magnitude in its block's 8-entry e4m3 table and
+one or per four weights expand them (``sm90_nvfp4_w4a16_grouped.cu``, ``expand8_e4m3``).
+
 Dimension legend: ``E`` experts, ``N`` weight rows, ``K`` reduction.
 """
 
@@ -43,7 +52,7 @@ K_MULTIPLE = 64  # K elements per permuted span (32 bytes)
 _SPAN = K_MULTIPLE // 2
 # The weight layouts the kernels read (the GEMM op's ``wlayout``): plain ModelOpt bytes, K-permuted, K-permuted
 # with split bits.
-PLAIN, KPERM, SPLIT_BITS = 0, 1, 2
+PLAIN, KPERM, SPLIT_BITS, W4A8 = 0, 1, 2, 3
 PAIR_MASK = 0x81C081C0
 SPLIT_BITS_SCALE = 2.0**118  # the block scale's factor with split bits (exact in bf16 up to E4M3's 448)
 SPLIT_BITS_UNSCALE = 2.0**8  # what the accumulators are multiplied by besides the global scale
@@ -81,11 +90,14 @@ class PackedNvfp4Weights(PackedWeights):
         split_bits: whether each 4-byte word's bits are split as well (see the module docstring).
     """
 
-    __slots__ = ("split_bits",)
+    __slots__ = ("split_bits", "w4a8")
 
-    def __init__(self, data: torch.Tensor, split_bits: bool = False):
+    def __init__(self, data: torch.Tensor, split_bits: bool = False, w4a8: bool = False):
         super().__init__(data)
         self.split_bits = bool(split_bits)
+        self.w4a8 = bool(w4a8)
+        if self.split_bits and self.w4a8:
+            raise ValueError("PackedNvfp4Weights holds split bits or W4A8 words, not both")
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -94,16 +106,18 @@ class PackedNvfp4Weights(PackedWeights):
 
     @property
     def layout(self) -> int:
-        """The kernels' code for this layout: ``KPERM`` or ``SPLIT_BITS``."""
-        return SPLIT_BITS if self.split_bits else KPERM
+        """The kernels' code for this layout: ``KPERM``, ``SPLIT_BITS`` or ``W4A8``."""
+        return W4A8 if self.w4a8 else (SPLIT_BITS if self.split_bits else KPERM)
 
     def unpack(self) -> torch.Tensor:
         """The plain `[E, N, K / 2]` weights these were permuted from."""
+        if self.w4a8:
+            return w4a8_words(self.data, forward=False)
         data = _split_bits(self.data, forward=False) if self.split_bits else self.data
         return _permute(data, pack=False)
 
     def __repr__(self) -> str:
-        extra = ", split_bits=True" if self.split_bits else ""
+        extra = ", split_bits=True" if self.split_bits else (", w4a8=True" if self.w4a8 else "")
         return f"PackedNvfp4Weights(shape={self.shape}{extra}, device={self.device})"
 
 
@@ -132,7 +146,7 @@ def check_packable(name: str, w: object) -> torch.Tensor:
     return w
 
 
-def pack_nvfp4_weights(w, *, split_bits: bool = True) -> PackedNvfp4Weights:
+def pack_nvfp4_weights(w, *, split_bits: bool = True, w4a8: bool = False) -> PackedNvfp4Weights:
     """K-permutes NVFP4 expert weights for the Hopper W4A16 kernel (once, at load time), in split bits by default.
 
     Args:
@@ -141,15 +155,20 @@ def pack_nvfp4_weights(w, *, split_bits: bool = True) -> PackedNvfp4Weights:
         split_bits: also split each 4-byte word's bits for the shift-and-mask expansion (module docstring):
             faster everywhere but contiguous prefill at 8 x 4096 rows (docs/perf.md). ``False``: K-permuted bytes
             only.
+        w4a8: W4A8 words instead (module docstring), for the Hopper kernel with FP8 activations, which takes
+            these weights only (``split_bits`` is then ignored).
 
     Returns:
         :class:`PackedNvfp4Weights` on ``w``'s device (a new tensor; ``w`` is not changed).
     """
     if isinstance(w, PackedNvfp4Weights):
         raise TypeError("w must be plain [E, N, K / 2] uint8 weights, got PackedNvfp4Weights (already packed)")
-    if not isinstance(split_bits, bool):
-        raise TypeError(f"split_bits must be a bool, got {type(split_bits).__name__}")
+    for name, flag in (("split_bits", split_bits), ("w4a8", w4a8)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     w = check_packable("w", w)
+    if w4a8:
+        return PackedNvfp4Weights(w4a8_words(w, forward=True), w4a8=True)
     data = _permute(w, pack=True)  # a new tensor, split in place
     return PackedNvfp4Weights(_split_bits(data, forward=True, in_place=True) if split_bits else data, split_bits)
 
@@ -217,3 +236,38 @@ def repack_nvfp4_experts_in_place(w13: torch.Tensor, w2: torch.Tensor, *, pack: 
     except BaseException:
         repack_nvfp4_in_place(w13, pack=not pack, split_bits=split_bits)
         raise
+
+
+_W4A8_ROWS_ELEMENTS = 1 << 22  # K elements converted at a time (int64 temporaries of 32 MB)
+
+
+def w4a8_words(w: torch.Tensor, forward: bool) -> torch.Tensor:
+    """Plain bytes `[..., K / 2]` to W4A8 words (``forward``, module docstring) or back, as a new tensor."""
+    *lead, half_k = w.shape
+    rows = w.reshape(-1, half_k)
+    out = torch.empty_like(rows)
+    step = max(1, _W4A8_ROWS_ELEMENTS // (2 * half_k))
+    i = torch.arange(4, device=w.device, dtype=torch.int64)
+    for r0 in range(0, rows.shape[0], step):
+        x = rows[r0 : r0 + step]
+        n, spans = x.shape[0], half_k // _SPAN
+        if forward:
+            codes = torch.stack((x & 0xF, x >> 4), dim=-1).to(torch.int64)  # [n, K / 2, 2]: element 2j, 2j + 1
+            c = codes.reshape(n, spans, 2, 2, 4, 4)  # k = 64 d + 32 c + 16 h + 4 q + i: [n, d, c, h, q, i]
+            mag, sign = c & 7, c >> 3
+            word = (
+                (mag[:, :, :, 0] << (4 * i))
+                | (sign[:, :, :, 0] << (8 * i + 7))
+                | (mag[:, :, :, 1] << (16 + 4 * i))
+                | (sign[:, :, :, 1] << (8 * i + 3))
+            ).sum(-1)  # disjoint bits: the sum is the or; [n, d, c, q]
+            word = word.transpose(-1, -2)  # stored at byte 8 q + 4 c of the span
+            out[r0 : r0 + n] = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], -1).reshape(n, half_k)
+        else:
+            b = x.reshape(n, spans, 4, 2, 4).to(torch.int64)  # [n, d, q, c, byte]
+            word = (b << (8 * i)).sum(-1).transpose(-1, -2)[..., None]  # [n, d, c, q, 1]
+            code_a = ((word >> (4 * i)) & 7) | (((word >> (8 * i + 7)) & 1) << 3)
+            code_b = ((word >> (16 + 4 * i)) & 7) | (((word >> (8 * i + 3)) & 1) << 3)
+            codes = torch.stack((code_a, code_b), dim=3).reshape(n, half_k, 2)  # [n, d, c, h, q, i] -> pairs
+            out[r0 : r0 + n] = codes[..., 0] | (codes[..., 1] << 4)
+    return out.reshape(w.shape)

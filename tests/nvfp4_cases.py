@@ -75,3 +75,34 @@ def launch_kernel(kernel, a, w, s, gs, out, counts, offsets, act, capacity, kper
         kperm=kperm,
         split_bits=split_bits,
     )
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 activations for the W4A8 GEMMs: ``(q [..., K] e4m3, scale [...] fp32)``, one scale per row
+    (``amax / 448``, at least 2**-126)."""
+    scale = (x.float().abs().amax(dim=-1) / 448).clamp(min=2.0**-126)
+    return (x.float() / scale[..., None]).to(FP8), scale
+
+
+def w4a8_reference(a, a_scale, w, block_scale, global_scale, counts, offsets, activation) -> torch.Tensor:
+    """float64 `[rows, N]` of a W4A8 grouped GEMM as the kernel rounds it: FP8 rows ``a`` times ``a_scale`` (per row
+    or one), weights folded to ``8 x e4m3(|e2m1| x block_scale / 8)`` (``w4a8_weight_values``); plain ``w``."""
+    from flashinfer_moe.moe.gemm_nvfp4_w4a8 import w4a8_weight_values
+
+    a2 = a.reshape(-1, a.shape[-1]).double()
+    s = a_scale.reshape(-1).double()
+    a2 = a2 * (s[:, None] if s.numel() > 1 else s)
+    values = w4a8_weight_values(w, block_scale).double()
+    gs = global_scale.to(w.device).double()
+    if gs.dim() == 2:
+        half = w.shape[1] // 2
+        values = torch.cat((values[:, :half] * gs[:, :1, None], values[:, half:] * gs[:, 1:, None]), dim=1)
+    else:
+        values = values * gs[:, None, None]
+    n = w.shape[1] // 2 if activation else w.shape[1]
+    out = torch.zeros(a2.shape[0], n, dtype=torch.float64, device=a.device)
+    for e, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
+        if count:
+            rows = slice(start, start + count)
+            out[rows] = ref.activation(a2[rows] @ values[e].T, activation)
+    return out

@@ -1,4 +1,5 @@
-"""Static check of sm_90a SASS: no instruction touches the registers of a wgmma (``HGMMA``) still in flight.
+"""Static check of sm_90a SASS: no instruction touches the registers of a wgmma (``HGMMA``; ``QGMMA`` for FP8) still in
+flight.
 
 An ``HGMMA`` with its left operand in registers (``HGMMA.64x256x16.F32.BF16 R24, R152, gdesc[...], R24``) reads
 R152..R155 after it issues, and writes its accumulators R24.. until a ``WARPGROUP.DEPBAR.LE gsb0, N`` leaves at
@@ -21,7 +22,7 @@ import subprocess
 from pathlib import Path
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_HGMMA = re.compile(r"HGMMA\.64x(\d+)x\d+\.(F32|F16)\S*\s+R(\d+),\s*(R\d+|gdesc)")
+_HGMMA = re.compile(r"[HQ]GMMA\.64x(\d+)x\d+\.(F32|F16)\S*\s+R(\d+),\s*(R\d+|gdesc)")
 _DEPBAR = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)")
 _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 _REG = re.compile(r"(?<![A-Z_.])R(\d+)\b")
@@ -126,7 +127,7 @@ def hazards(sass: str) -> list[tuple[str, int, str]]:
     text ``cuobjdump -sass`` prints)."""
     found = []
     for name, instrs in _functions(sass):
-        if not any("HGMMA" in t for _, t in instrs):
+        if not any("GMMA" in t for _, t in instrs):
             continue
         local: list[tuple[int, str]] = []
         _walk(instrs, [], local, report=True)
@@ -136,7 +137,7 @@ def hazards(sass: str) -> list[tuple[str, int, str]]:
             if not b or int(b.group(1), 16) >= addr or int(b.group(1), 16) not in index:
                 continue
             loop = instrs[index[int(b.group(1), 16)] : i + 1]
-            if any("HGMMA" in t for _, t in loop):
+            if any("GMMA" in t for _, t in loop):
                 _walk(loop, _walk(loop, [], [], report=False), local, report=True)
         found.extend((name, a, t) for a, t in sorted(set(local)))
     return found

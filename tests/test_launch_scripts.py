@@ -22,6 +22,7 @@ GPU_SCRIPTS = {
     "bench_mla.py": "needs a CUDA GPU",
     "bench_nvfp4.py": "needs a CUDA GPU",
     "bench_nvfp4_tiles.py": "needs a CUDA GPU of compute capability 9.0 (sm_90)",
+    "bench_nvfp4_w4a8.py": "needs a CUDA GPU",
     "bench_mla_prefill.py": "needs a CUDA GPU",
     "bench_permute.py": "needs a CUDA GPU",
     "bench_routing.py": "needs a CUDA GPU",

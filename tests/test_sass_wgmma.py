@@ -22,6 +22,15 @@ def test_write_before_the_wait_is_found():
     assert [t for _, _, t in found] == ["IMAD R153, R1, 0x2, RZ"]
 
 
+def test_fp8_wgmma_operand_write_is_found():
+    # W4A8's e4m3 products (QGMMA) read their register operand the same way.
+    qgmma = "QGMMA.64x128x32.F32.E4M3.E4M3 R24, R100, gdesc[UR12], R24, gsb0"
+    found = sass_wgmma.hazards(
+        _sass(qgmma, "PRMT R102, R3, 0x5410, R4", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "MOV R100, RZ")
+    )
+    assert [t for _, _, t in found] == ["PRMT R102, R3, 0x5410, R4"]
+
+
 def test_write_after_the_wait_is_not():
     assert not sass_wgmma.hazards(_sass(GEMM1, "WARPGROUP.DEPBAR.LE gsb0, 0x0", "IMAD R153, R1, 0x2, RZ"))
 

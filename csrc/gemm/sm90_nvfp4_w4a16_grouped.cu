@@ -1,4 +1,4 @@
-// Hopper NVFP4-weight (W4A16) grouped GEMM for decode-sized groups, over the masked or the contiguous layout.
+// Hopper NVFP4-weight (W4A16, and W4A8) grouped GEMM for decode-sized groups, over the masked or the contiguous layout.
 //
 //   out[r] = act(A[r] @ (e2m1(W[e]) * block_scale[e] * global_scale[e])^T)   for the rows r of group e:
 //   offsets[e] + t (contiguous) or e * C + t (masked), t < min(counts[e], C)
@@ -20,6 +20,13 @@
 // its block scales to those bf16x2 factors once per stage, into shared memory. Weights packed with split bits
 // (moe/packed_nvfp4.py) skip the lookup: shifts and masks put each word's bits straight into bf16 pairs that
 // read as the values times 2**-126, the factors carry 2**118 and the global scale 2**8 (expand4_split).
+//
+// W4A8 (kA8: e4m3 activations with one fp32 scale per row or per tensor, weights in W4A8 words): the FP8 wgmma is 32
+// deep and the block scales change every 16 K, so each block scale is folded into an 8-entry e4m3 table of its
+// weights' magnitudes (x 1/8), looked up by byte permutes (expand8_e4m3); the tables are copied per stage from those
+// of all 256 scale bytes, built once per CTA. The activations' scales and the 8 are applied to the sums. Half the
+// tensor-pipe instructions and half the activation bytes of W4A16: 1.15-1.27x W4A16 at 64 rows a group, the same at
+// 8-32 (the integer pipe), an E4M3 rounding of each folded weight (docs/perf.md).
 //
 // Structure: two warpgroups per CTA (without the activation: four for 64-token tiles, three for 128), 64 weight rows
 // each (with an activation: the first half of the warpgroups the gate rows, the second half their up rows, the up
@@ -48,29 +55,44 @@ namespace sm90_nvfp4 {
 
 // The prefill tiles: 128 and 256 tokens a CTA (256: wgmma's largest N), so that each expanded weight serves that
 // many products; one CTA an SM, the stages refilled late (kLate), the output staged through shared memory.
-__host__ __device__ constexpr bool prefill_tile(int t) { return t >= 128; }
+// W4A8's 128-token tile (its largest) has the decode tiles' structure, three warpgroups (gated: two) and 256-deep
+// stages, one CTA an SM: its FP8 activations take half the bytes, so such a stage fits where W4A16's does not; 1.10x
+// the prefill tiles' structure at 128 rows a group on an H200, and 1.00-1.02x four warpgroups with 128-deep stages
+// or two fragment buffers (docs/perf-notes.md).
+__host__ __device__ constexpr bool a8_t128(int t, bool a8) { return a8 && t == 128; }
+__host__ __device__ constexpr bool prefill_tile(int t, bool a8 = false) { return t >= 128 && !a8_t128(t, a8); }
 // K of one shared-memory stage of T-token tiles: 256 (four 64-deep spans), except for the prefill tiles, whose
 // activations alone would take 64-128 KB a stage at that depth: 128 there (3 or 5 stages in the SM's shared memory).
-__host__ __device__ constexpr int stage_k(int t) { return prefill_tile(t) ? 128 : 256; }
+__host__ __device__ constexpr int stage_k(int t, bool a8 = false) { return prefill_tile(t, a8) ? 128 : 256; }
 // Per CTA of W warpgroups (64 weight rows each) and stage K sk: a stage's weight bytes, their block scales, and
 // those scales as duplicated bf16 pairs (scale_pairs).
 __host__ __device__ constexpr int w_stage_bytes(int w, int sk) { return 64 * w * sk / 2; }
 __host__ __device__ constexpr int s_stage_bytes(int w, int sk) { return 64 * w * sk / 16; }
 __host__ __device__ constexpr int pair_bytes(int w, int sk) { return 64 * w * sk / 16 * 4; }
+// W4A8: a weight row's e4m3 tables per stage (8 bytes a block of 16 K, see expand8_e4m3), padded by 16 bytes so that
+// the two rows a quarter-warp reads fall into different banks; and the tables of all 256 scale bytes (2 KB, built
+// once per CTA) they are copied from.
+__host__ __device__ constexpr int table_row_bytes(int sk) { return sk / 2 + 16; }
+constexpr int kScaleTableBytes = 256 * 8;
+// Shared memory beside the stages: the scale pairs (W4A16) or the tables (W4A8).
+__host__ __device__ constexpr int conv_bytes(int w, int sk, bool a8) {
+  return a8 ? 64 * w * table_row_bytes(sk) + kScaleTableBytes : pair_bytes(w, sk);
+}
 // Warpgroups per CTA for T-token tiles: 4 for the 64-token tile without the activation, whose stages take the SM's
 // shared memory alone (16 warps to hide its latencies instead of 8, and each activation stage read for 256 weight
 // rows, not 128: measured 10% faster on an H100); 3 for the 128-token tile without it, for the same reasons (its 64
 // accumulators a thread fit 3 x 128 threads' registers, not 4 x 128: 1.01-1.11x at 100-128 rows per group on an
 // H200, docs/perf-notes.md); else 2 (the gated 64-token tile with four, correct in the GPU tests, has not been
 // timed; gate and up rows pair warpgroups; the 256-token tile's 128 accumulators leave room for no more).
-template <int T, bool GATED>
+template <int T, bool GATED, bool A8>
 constexpr int warpgroups_for() {
+  if constexpr (a8_t128(T, A8)) return GATED ? 2 : 3;
   return T == 64 && !GATED ? 4 : (T == 128 && !GATED ? 3 : 2);
 }
 // Bytes of one stage of T-token tiles (activations, weights, block scales), and the output columns of a CTA (GATED:
 // half its weight rows are up rows), for the kernel and its launch alike.
-__host__ __device__ constexpr int stage_bytes(int t, int w) {
-  return t * stage_k(t) * 2 + w_stage_bytes(w, stage_k(t)) + s_stage_bytes(w, stage_k(t));
+__host__ __device__ constexpr int stage_bytes(int t, int w, bool a8) {
+  return t * stage_k(t, a8) * (a8 ? 1 : 2) + w_stage_bytes(w, stage_k(t, a8)) + s_stage_bytes(w, stage_k(t, a8));
 }
 __host__ __device__ constexpr int cols_per_cta(int w, bool gated) { return gated ? 32 * w : 64 * w; }
 // Whether T-token tiles take their stages by TMA (ParamsTma, mbarriers) instead of cp.async: from 32 tokens on (at 64
@@ -82,7 +104,7 @@ __host__ __device__ constexpr bool tma_tiles(int t) { return t >= 32; }
 [[maybe_unused]] __device__ const uint32_t kTables[4] = {0xC0800000u, 0xC0804000u, 0x3F3F3F00u, 0x40404040u};
 
 struct Params {
-  const __nv_bfloat16* a;  // [rows, K]
+  const void* a;           // [rows, K] bf16 (W4A16) or e4m3 (W4A8)
   const uint8_t* w;        // [E, NW, K / 2], K-permuted
   const uint8_t* scale;    // [E, NW, K / 16] e4m3
   const float* gscale;     // [E, gscale_stride]
@@ -101,6 +123,9 @@ struct Params {
   // a group a little past a tile (or a masked group far below its capacity) does not pay for a whole one.
   // split_tile 0: every row here.
   int split_tile, tail_lo, tail_hi, tail;
+  // W4A8: the activations' dequantization scales, row r's at a_scale[r * a_scale_stride] (stride 0: per tensor).
+  const float* a_scale;
+  int a_scale_stride;
 };
 // Tiles of 32 tokens and more (kTma): the stages by TMA, from these maps (128-byte swizzle; boxes of [T rows, 64] of a,
 // [64 rows, 128 bytes] of w, [64 rows, 16 bytes] of the block scales where s_tma, else those by cp.async). The smaller
@@ -111,6 +136,10 @@ struct ParamsTma : Params {
 };
 template <int T>
 using ParamsFor = typename std::conditional<tma_tiles(T), ParamsTma, Params>::type;
+
+// The weight layouts (moe/packed_nvfp4.py), each with its expansion: K-permuted bytes by byte lookup (W4A16), split
+// bits (W4A16), and the W4A8 words (e4m3 by table lookup, FP8 activations).
+enum Mode : int { kLookup = 0, kSplit = 1, kA8 = 2 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -168,6 +197,46 @@ __device__ __forceinline__ void expand4_split(uint32_t y, uint32_t s01, uint32_t
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(o1) : "r"(p1), "r"(s01));
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(o2) : "r"(p2), "r"(s23));
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(o3) : "r"(p3), "r"(s23));
+}
+
+// W4A8 words (moe/packed_nvfp4.py): eight weights of one row, four of a block (a) and four of the next (b), with
+// their 3-bit magnitudes in nibbles 0..3 (a) and 4..7 (b) and their signs at the nibbles' top bits: a's at bits 7,
+// 15, 23, 31, b's at bits 3, 11, 19, 27. -> the four e4m3 of a (byte j: weight j) and of b, each byte looked up in
+// its block's table (ta: bytes 0..3 in ta.x, 4..7 in ta.y; entry m: e4m3(|e2m1 m| x block scale / 8)) with the
+// sign or-ed in: 8 integer-pipe instructions per 8 weights, about the split bits' 7, without their multiplies.
+__device__ __forceinline__ void expand8_e4m3(uint32_t y, uint2 ta, uint2 tb, uint32_t& a, uint32_t& b) {
+  asm("{\n"
+      ".reg .b32 sa, sb, ys;\n"
+      "and.b32 sa, %2, 0x7777;\n"
+      "prmt.b32 sa, %3, %4, sa;\n"
+      "lop3.b32 %0, sa, %2, 0x80808080, 0xF8;\n"
+      "shr.u32 sb, %2, 16;\n"
+      "and.b32 sb, sb, 0x7777;\n"
+      "prmt.b32 sb, %5, %6, sb;\n"
+      "shl.b32 ys, %2, 4;\n"
+      "lop3.b32 %1, sb, ys, 0x80808080, 0xF8;\n"
+      "}\n"
+      : "=r"(a), "=r"(b)
+      : "r"(y), "r"(ta.x), "r"(ta.y), "r"(tb.x), "r"(tb.y));
+}
+
+// The W4A8 tables of all 256 scale bytes: entry 8 s + m = e4m3(|e2m1 m| x e4m3 s / 8), rounded to nearest and
+// saturating (/ 8 keeps 6 x 448 in range; the accumulators take the 8 back). Scale bytes that are NaN give NaN's
+// table. Built by every thread of the CTA, four entries a 4-byte store.
+template <int kThreads>
+__device__ __forceinline__ void build_scale_tables(uint32_t dst) {
+  // |e2m1 m|: 0, .5, 1, 1.5, 2, 3, 4, 6.
+  auto mag = [](int m) { return m < 2 ? 0.5f * m : ldexpf(1.0f + 0.5f * (m & 1), (m >> 1) - 1); };
+  for (int i = threadIdx.x; i < kScaleTableBytes / 4; i += kThreads) {
+    const int sb = i >> 1, m0 = 4 * (i & 1);
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(sb), __NV_E4M3);
+    const float sc = __half2float(*reinterpret_cast<const __half*>(&h)) * 0.125f;
+    const uint32_t lo =
+        __nv_cvt_float2_to_fp8x2(make_float2(mag(m0) * sc, mag(m0 + 1) * sc), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi =
+        __nv_cvt_float2_to_fp8x2(make_float2(mag(m0 + 2) * sc, mag(m0 + 3) * sc), __NV_SATFINITE, __NV_E4M3);
+    sts(dst + 4 * i, lo | (hi << 16));
+  }
 }
 
 // Two E4M3 scales (the low 16 bits of v) -> a bf16x2 holding the first twice and one holding the second twice,
@@ -260,39 +329,44 @@ __device__ __forceinline__ void epilogue_staged(const Params& p, float (&acc)[T 
 
 // T: tokens per tile (wgmma's N); W: warpgroups (64 weight rows each; GATED: the first W / 2 hold gate rows, the
 // others their up rows, in the same order); STAGES: shared-memory stages, each the activations, weights and scales
-// of stage_k(T) K; SPLIT: split-bits weights.
-template <int T, int W, bool GATED, int STAGES, bool SPLIT>
-__global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
+// of stage_k(T) K; MODE: the weight layout and its expansion (Mode).
+template <int T, int W, bool GATED, int STAGES, int MODE>
+__global__ void __launch_bounds__(128 * W, W >= 3 || prefill_tile(T) || T == 128 ? 1 : 2)
     nvfp4_grouped_kernel(const __grid_constant__ ParamsFor<T> p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kThreads = 128 * W, kRowsCta = 64 * W;
-  constexpr int SK = stage_k(T), kSpans = SK / 64;  // a stage's K and its 64-deep spans
+  constexpr bool SPLIT = MODE == kSplit, A8 = MODE == kA8;
+  constexpr int SK = stage_k(T, A8), kSpans = SK / 64;  // a stage's K and its 64-deep spans
+  using AT = typename std::conditional<A8, uint8_t, __nv_bfloat16>::type;
+  // The activations' 128-byte swizzle atoms: 64 K of bf16, 128 K of e4m3 (two spans).
+  constexpr int kAtomK = 128 / sizeof(AT), kSpansAtom = kAtomK / 64;
   static_assert(SK == 128 || SK == 256, "a scale row per stage is 8 or 16 bytes");
   // A weight row's bytes, block scales and scale-pair bytes per stage.
   constexpr int kWRow = SK / 2, kSRow = SK / 16, kPRow = SK / 4;
   constexpr int kWStageBytes = w_stage_bytes(W, SK);
   constexpr int kCols = cols_per_cta(W, GATED);
   constexpr int R = T / 2;  // accumulator floats per thread
-  constexpr float kScaleFactor = SPLIT ? 0x1p118f : 1.0f, kUnscale = SPLIT ? 256.0f : 1.0f;
+  constexpr float kScaleFactor = SPLIT ? 0x1p118f : 1.0f, kUnscale = SPLIT ? 256.0f : (A8 ? 8.0f : 1.0f);
+  constexpr int kTRow = table_row_bytes(SK);  // W4A8: a row's tables in a stage
   // Fragment buffers: with two, a span's expansion runs while the previous span's wgmma group is in flight
   // (ptxas would otherwise give every span's fragments the same registers, see the span loop). Only for 8-token
   // tiles without the activation, and for the prefill tiles, whose products are long enough to hide a span's
   // expansion whole: elsewhere the extra 16 registers per thread, at the 128 that two CTAs per SM (or 512 threads)
   // allow, measured slower (the gated 8-token tile 266 against 236 us; every decode tile with two, on an H100: no
-  // faster at 8 rows, 0.9-1.0x at 16-64, docs/perf-notes.md).
-  constexpr int kBufs = (T == 8 && !GATED) || prefill_tile(T) ? 2 : 1;
-  constexpr int kXBytes = T * SK * 2;
+  // faster at 8 rows, 0.9-1.0x at 16-64, docs/perf-notes.md; W4A8's tiles of 16-128 tokens: 0.98-1.02x).
+  constexpr int kBufs = (T == 8 && !GATED) || prefill_tile(T, A8) ? 2 : 1;
+  constexpr int kXBytes = T * SK * static_cast<int>(sizeof(AT));
   // The prefill tiles refill a stage's buffer in the middle of the next stage (after its first span's products
   // were issued and the last stage's have completed), not at its start: STAGES - 1 stages ahead instead of
   // STAGES - 2, which makes the difference between one stage and two where three stages are all that fit (T = 256:
   // 1.04-1.14x faster on five of six shapes on an H100, docs/perf-notes.md).
-  constexpr bool kLate = prefill_tile(T);
+  constexpr bool kLate = prefill_tile(T, A8);
   static_assert(!kLate || (kSpans == 2 && kBufs == 2 && (W == 2 || (W == 3 && !GATED))),
                 "two spans a stage, two fragment buffers");
   // ... and each thread copies one 4-byte piece of the block scales, of a row of its own warpgroup (thread t: row
   // t / 2), so that a warpgroup barrier makes a stage's scales visible to the warpgroup that converts them.
   static_assert(!kLate || kRowsCta * kSRow / 4 == kThreads, "one scale copy a thread");
-  constexpr int kStageBytes = stage_bytes(T, W);
+  constexpr int kStageBytes = stage_bytes(T, W, A8);
   constexpr bool kTma = tma_tiles(T);  // the stages by TMA boxes that one thread issues
   extern __shared__ uint8_t smem_raw[];
 
@@ -349,19 +423,22 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
   // This thread's converted scale pairs (row lr0 + 8 j is 8 kPRow bytes further), and the raw scales it converts
   // for its warpgroup each stage (row wg * 64 + t / 2, its half of the row's groups by t % 2, t its index in the
   // warpgroup).
-  const uint32_t pairs = base + STAGES * kStageBytes;  // pair_bytes(W, SK)
-  const uint32_t s_thread = pairs + lr0 * kPRow;
+  // W4A8: the tables instead of the pairs (row lr at lr kTRow), then the 256 scale bytes' (scale_tables).
+  const uint32_t pairs = base + STAGES * kStageBytes;  // conv_bytes(W, SK, A8)
+  const uint32_t s_thread = pairs + lr0 * (A8 ? kTRow : kPRow);
+  const uint32_t scale_tables = pairs + kRowsCta * kTRow;
   // kTma: [STAGES] mbarriers, a stage's TMA boxes landed, after the pairs; bit s of `phases` the parity of stage s's
   // next wait.
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + (pairs + pair_bytes(W, SK) - smem_u32(smem_raw)));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + (pairs + conv_bytes(W, SK, A8) - smem_u32(smem_raw)));
   uint32_t phases = 0;
+  if constexpr (A8) build_scale_tables<kThreads>(scale_tables);
   if constexpr (kTma) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < STAGES; ++s) sm90_wgmma::bar_init(&full[s], 1);
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
   }
+  if constexpr (kTma || A8) __syncthreads();
   const int conv_row = wg * 64 + ((threadIdx.x & 127) >> 1), conv_half = threadIdx.x & 1;
   // The weights' shared-memory descriptors (K-major, 128-byte swizzle, sm90_wgmma::make_desc): their low word, the
   // start address / 16 with leading offset 1, is built once and stepped by adds (a 16-deep k step is 32 bytes).
@@ -378,7 +455,10 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
   // kTma: only the scales, where the TMA does not bring them.
   static_assert(kTma || SK == 256, "the weights' cp.async layout is that of 256-deep stages");
   constexpr int kWCopies = kTma ? 0 : kRowsCta * 8 / kThreads, kSCopies = kRowsCta * (kSRow / 4) / kThreads;
-  constexpr int kXCopies = kTma ? 0 : T * 32 / kThreads;
+  // (16-byte chunks of a stage's activation rows: W4A8's 8-token tiles have fewer than threads.)
+  constexpr int kXChunks = SK * static_cast<int>(sizeof(AT)) / 16, kXPerChunk = 16 / static_cast<int>(sizeof(AT));
+  constexpr int kXCopies = kTma ? 0 : (T * kXChunks + kThreads - 1) / kThreads;
+  constexpr bool kXPartial = !kTma && T * kXChunks % kThreads != 0;
   const uint8_t* w_src[kWCopies > 0 ? kWCopies : 1];
   uint32_t w_dst[kWCopies > 0 ? kWCopies : 1];
   int w_lim[kWCopies > 0 ? kWCopies : 1];  // bytes of the row past the copy's start in stage 0 (<= 0: no such row)
@@ -413,16 +493,18 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
   for (int t0 = tile_cta * T; t0 < count; t0 += tile_ctas * T) {
     // Activations: T rows x 32 chunks of 16 bytes per stage, 128-byte swizzled per 64-K atom (wgmma's B); rows
     // past the group are zero-filled.
-    const __nv_bfloat16* x_src[kXCopies > 0 ? kXCopies : 1];
+    const AT* x_src[kXCopies > 0 ? kXCopies : 1];
     uint32_t x_dst[kXCopies > 0 ? kXCopies : 1];
     int x_lim[kXCopies > 0 ? kXCopies : 1];
 #pragma unroll
     for (int m = 0; m < kXCopies; ++m) {
-      const int i = threadIdx.x + m * kThreads, t = i >> 5, chunk = i & 31, c = chunk & 7;
+      const unsigned i = threadIdx.x + m * kThreads;
+      const int t = i / kXChunks, chunk = i % kXChunks, c = chunk & 7;
       const bool row_ok = t0 + t < count;
-      x_src[m] = row_ok ? p.a + (first_row + t0 + t) * p.k + 8 * chunk : p.a;
+      x_src[m] = row_ok ? static_cast<const AT*>(p.a) + (first_row + t0 + t) * p.k + kXPerChunk * chunk
+                        : static_cast<const AT*>(p.a);
       x_dst[m] = (chunk >> 3) * (T * 128) + t * 128 + ((c ^ (t & 7)) << 4);
-      x_lim[m] = row_ok ? p.k - 8 * chunk : 0;
+      x_lim[m] = row_ok ? p.k - kXPerChunk * chunk : 0;
     }
     auto load_stage = [&](int s) {
       if (s < stages) {
@@ -438,8 +520,9 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
             sm90_wgmma::bar_expect_tx(bar, kXBytes + tma_wgs * 64 * (kWRow + (scales_by_tma ? kSRow : 0)));
             uint8_t* dst = smem_raw + (buf - smem_u32(smem_raw));
 #pragma unroll
-            for (int a4 = 0; a4 < kSpans; ++a4)
-              sm90_wgmma::tma_load(dst + a4 * T * 128, &p.map_a, bar, k0 + 64 * a4, static_cast<int>(first_row + t0));
+            for (int a4 = 0; a4 < SK / kAtomK; ++a4)
+              sm90_wgmma::tma_load(dst + a4 * T * 128, &p.map_a, bar, k0 + kAtomK * a4,
+                                   static_cast<int>(first_row + t0));
             for (int w = 0; w < W; ++w) {
               const int wr = weight_row(64 * w);
               if (wr < 0) continue;
@@ -452,8 +535,9 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
         }
 #pragma unroll
         for (int m = 0; m < kXCopies; ++m) {
+          if (kXPartial && threadIdx.x + m * kThreads >= T * kXChunks) continue;
           const bool ok = k0 < x_lim[m];
-          cp_async_16(buf + x_dst[m], ok ? x_src[m] + k0 : p.a, ok ? 16 : 0);
+          cp_async_16(buf + x_dst[m], ok ? x_src[m] + k0 : static_cast<const AT*>(p.a), ok ? 16 : 0);
         }
 #pragma unroll
         for (int m = 0; m < kWCopies; ++m) {
@@ -477,7 +561,9 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
     float acc[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[i] = 0.0f;
-    uint32_t af[kBufs][4][4] = {};
+    // A 64-deep span's fragments: four k16 steps (bf16) or two k32 steps (e4m3).
+    constexpr int kFrags = A8 ? 2 : 4;
+    uint32_t af[kBufs][kFrags][4] = {};
 
     for (int st = 0; st < stages; ++st) {
       if constexpr (kLate) {
@@ -505,21 +591,43 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
         // take (converted by every thread that reads them, they cost 20 of a span's ~75 integer-pipe
         // instructions, the pipe that sets the time).
         const uint32_t raw_addr = buf + kXBytes + kWStageBytes + conv_row * kSRow + (kSRow / 2) * conv_half;
-        const uint32_t dst = pairs + conv_row * kPRow + (kPRow / 2) * conv_half;
-        uint32_t pr[8];
-        if constexpr (SK == 256) {
-          const uint2 raw = lds64(raw_addr);
-          scale_pairs(raw.x, kScaleFactor, pr[0], pr[1]);
-          scale_pairs(raw.x >> 16, kScaleFactor, pr[2], pr[3]);
-          scale_pairs(raw.y, kScaleFactor, pr[4], pr[5]);
-          scale_pairs(raw.y >> 16, kScaleFactor, pr[6], pr[7]);
-          sts128(dst + 16, pr[4], pr[5], pr[6], pr[7]);
+        if constexpr (A8) {
+          // W4A8: the tables of this thread's kSRow / 2 blocks, copied from their scale bytes' (two 16-byte stores
+          // per four blocks).
+          const uint32_t dst = pairs + conv_row * kTRow + (kSRow / 2) * 8 * conv_half;
+          uint32_t raw[2];
+          if constexpr (SK == 256) {
+            const uint2 r = lds64(raw_addr);
+            raw[0] = r.x;
+            raw[1] = r.y;
+          } else {
+            raw[0] = lds32(raw_addr);
+          }
+#pragma unroll
+          for (int i = 0; i < kSRow / 8; ++i) {
+            uint2 t[4];
+#pragma unroll
+            for (int b4 = 0; b4 < 4; ++b4) t[b4] = lds64(scale_tables + 8 * ((raw[i] >> (8 * b4)) & 0xFF));
+            sts128(dst + 32 * i, t[0].x, t[0].y, t[1].x, t[1].y);
+            sts128(dst + 32 * i + 16, t[2].x, t[2].y, t[3].x, t[3].y);
+          }
         } else {
-          const uint32_t raw = lds32(raw_addr);
-          scale_pairs(raw, kScaleFactor, pr[0], pr[1]);
-          scale_pairs(raw >> 16, kScaleFactor, pr[2], pr[3]);
+          const uint32_t dst = pairs + conv_row * kPRow + (kPRow / 2) * conv_half;
+          uint32_t pr[8];
+          if constexpr (SK == 256) {
+            const uint2 raw = lds64(raw_addr);
+            scale_pairs(raw.x, kScaleFactor, pr[0], pr[1]);
+            scale_pairs(raw.x >> 16, kScaleFactor, pr[2], pr[3]);
+            scale_pairs(raw.y, kScaleFactor, pr[4], pr[5]);
+            scale_pairs(raw.y >> 16, kScaleFactor, pr[6], pr[7]);
+            sts128(dst + 16, pr[4], pr[5], pr[6], pr[7]);
+          } else {
+            const uint32_t raw = lds32(raw_addr);
+            scale_pairs(raw, kScaleFactor, pr[0], pr[1]);
+            scale_pairs(raw >> 16, kScaleFactor, pr[2], pr[3]);
+          }
+          sts128(dst, pr[0], pr[1], pr[2], pr[3]);
         }
-        sts128(dst, pr[0], pr[1], pr[2], pr[3]);
         warpgroup_sync<W>(wg);
       }
       const uint32_t desc_stage = desc_lo0 + ((st % STAGES) * kStageBytes >> 4);
@@ -541,7 +649,17 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
         // This thread's 8 bytes of span d in each of its rows (where w_thread's comment says).
         const uint32_t w_span = w_addr + (kTma ? ((2 * d + (q >> 1)) ^ w_swz) << 4 : (d ^ w_swz) << 5);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < 2 && A8; ++j) {
+          // W4A8: word c of the 8 bytes is k step c (k 4 q .. + 3 of its first block, of its second 16 further),
+          // with the tables of the span's blocks 2 c and 2 c + 1 (kTRow: the row's tables, 8 bytes a block).
+          const uint2 wv = lds64(w_span + 8 * kWRow * j);
+          const uint32_t tr = s_thread + 8 * kTRow * j + 32 * d;
+          const uint4 t01 = lds128(tr), t23 = lds128(tr + 16);
+          expand8_e4m3(wv.x, make_uint2(t01.x, t01.y), make_uint2(t01.z, t01.w), af[b][0][j], af[b][0][2 + j]);
+          expand8_e4m3(wv.y, make_uint2(t23.x, t23.y), make_uint2(t23.z, t23.w), af[b][1][j], af[b][1][2 + j]);
+        }
+#pragma unroll
+        for (int j = 0; j < 2 && !A8; ++j) {
           const uint2 wv = lds64(w_span + 8 * kWRow * j);
           const uint4 sp = lds128(s_thread + 8 * kPRow * j + 16 * d);  // groups 4 d ... 4 d + 3
           uint32_t o[4];
@@ -567,9 +685,17 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
         fence_regs(af[b]);
         fence_regs(acc);
         wgmma_fence();
+        // The span's activations: its atom, and 64 bytes further for the second span of an e4m3 atom.
+        const int x_off = (d / kSpansAtom) * T * 128 + (d % kSpansAtom) * 64;
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-          wgmma_rs(acc, af[b][c], sm90_wgmma::make_desc(desc_stage + ((d * T * 128 + 32 * c) >> 4)));
+        for (int c = 0; c < kFrags; ++c) {
+          const uint64_t desc = sm90_wgmma::make_desc(desc_stage + ((x_off + 32 * c) >> 4));
+          if constexpr (A8) {
+            wgmma_rs_e4m3(acc, af[b][c], desc);
+          } else {
+            wgmma_rs(acc, af[b][c], desc);
+          }
+        }
         wgmma_commit();
         if constexpr (kBufs == 2) {
           // The previous span's group has completed; the empty asm that takes its fragments as operands keeps
@@ -583,12 +709,25 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
     cp_async_wait<0>();
     fence_regs(acc);
     __syncthreads();  // every stage read: the gated exchange below and the next tile reuse the buffers
+    if constexpr (A8) {
+      // The activations' row scales (tokens past the group: their outputs are not stored).
+#pragma unroll
+      for (int j = 0; j < T / 8; ++j) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          const int t = 8 * j + 2 * q + b;
+          const float xs = t0 + t < count ? __ldg(p.a_scale + (first_row + t0 + t) * p.a_scale_stride) : 0.0f;
+          acc[4 * j + b] *= xs;
+          acc[4 * j + 2 + b] *= xs;
+        }
+      }
+    }
 
     const float g0 = __ldg(p.gscale + e * p.gscale_stride) * kUnscale;
     auto up_scale = [&] {
       return GATED ? __ldg(p.gscale + e * p.gscale_stride + p.gscale_stride - 1) * kUnscale : 0.0f;
     };
-    if constexpr (prefill_tile(T)) {
+    if constexpr (prefill_tile(T, A8)) {
       if (!p.out_f32) {
         const float g1 = up_scale();
         epilogue_staged<T, W, GATED>(p, acc, base, g0, g1, first_row + t0, count - t0, active);
@@ -629,79 +768,84 @@ __global__ void __launch_bounds__(128 * W, W == 4 || prefill_tile(T) ? 1 : 2)
 // Stages: as many as fit beside another resident CTA (two per SM; three measured slower: the grids of decode shapes
 // fall into fewer, less full waves), at least 3; the 64-token tile's CTA of four warpgroups and the prefill tiles'
 // take the SM's shared memory alone.
-template <int T, bool GATED>
+template <int T, bool GATED, bool A8>
 constexpr int stages_for() {
-  constexpr int W = warpgroups_for<T, GATED>();
-  constexpr int budget = (W == 4 || prefill_tile(T) ? 226 : 110) * 1024;
-  constexpr int fit = (budget - pair_bytes(W, stage_k(T)) - (tma_tiles(T) ? 8 * 8 : 0)) / stage_bytes(T, W);
+  constexpr int W = warpgroups_for<T, GATED, A8>();
+  constexpr int budget = (W >= 3 || prefill_tile(T) || T == 128 ? 226 : 110) * 1024;
+  constexpr int fit = (budget - conv_bytes(W, stage_k(T, A8), A8) - (tma_tiles(T) ? 8 * 8 : 0)) / stage_bytes(T, W, A8);
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
 }
 
-template <int T, bool GATED, bool SPLIT>
+template <int T, bool GATED, int MODE>
 cudaError_t launch(const ParamsTma& p, int grid_rows, int grid_tiles, cudaStream_t stream) {
-  constexpr int W = warpgroups_for<T, GATED>(), kStages = stages_for<T, GATED>();
+  constexpr bool A8 = MODE == kA8;
+  constexpr int W = warpgroups_for<T, GATED, A8>(), kStages = stages_for<T, GATED, A8>();
   // The stages, the scale pairs, the stages' mbarriers (TMA), alignment. Not a byte more for the smaller tiles: two
   // CTAs of 8-token tiles fill the 196 KB shared-memory carveout exactly, and 32 bytes more each (the next carveout,
   // 228 KB, leaves L1 28 KB instead of 60) made them 1.06x slower on an H200.
   constexpr int kSmem =
-      kStages * stage_bytes(T, W) + pair_bytes(W, stage_k(T)) + (tma_tiles(T) ? 8 * kStages : 0) + 1024;
+      kStages * stage_bytes(T, W, A8) + conv_bytes(W, stage_k(T, A8), A8) + (tma_tiles(T) ? 8 * kStages : 0) + 1024;
   constexpr int kCols = cols_per_cta(W, GATED);
-  cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, W, GATED, kStages, SPLIT>>(kSmem);
+  cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, W, GATED, kStages, MODE>>(kSmem);
   if (err != cudaSuccess) return err;
   // Token tiles before experts (see the kernel): 1.00-1.06x at prefill on an H200 (docs/perf-notes.md).
   const dim3 grid((p.n_out + kCols - 1) / kCols, grid_tiles, grid_rows);
-  nvfp4_grouped_kernel<T, W, GATED, kStages, SPLIT>
+  nvfp4_grouped_kernel<T, W, GATED, kStages, MODE>
       <<<grid, 128 * W, kSmem, stream>>>(static_cast<const ParamsFor<T>&>(p));
   return cudaGetLastError();
 }
 
-template <bool GATED, bool SPLIT>
+template <bool GATED, int MODE>
 cudaError_t launch_tile(const ParamsTma& p, int grid_rows, int grid_tiles, int tile, cudaStream_t stream) {
   switch (tile) {
     case 8:
-      return launch<8, GATED, SPLIT>(p, grid_rows, grid_tiles, stream);
+      return launch<8, GATED, MODE>(p, grid_rows, grid_tiles, stream);
     case 16:
-      return launch<16, GATED, SPLIT>(p, grid_rows, grid_tiles, stream);
+      return launch<16, GATED, MODE>(p, grid_rows, grid_tiles, stream);
     case 32:
-      return launch<32, GATED, SPLIT>(p, grid_rows, grid_tiles, stream);
+      return launch<32, GATED, MODE>(p, grid_rows, grid_tiles, stream);
     case 64:
-      return launch<64, GATED, SPLIT>(p, grid_rows, grid_tiles, stream);
+      return launch<64, GATED, MODE>(p, grid_rows, grid_tiles, stream);
     case 128:
-      return launch<128, GATED, SPLIT>(p, grid_rows, grid_tiles, stream);
-    case 256:
-      return launch<256, GATED, SPLIT>(p, grid_rows, grid_tiles, stream);
+      return launch<128, GATED, MODE>(p, grid_rows, grid_tiles, stream);
+    case 256:  // (W4A8 stops at 128: 256 tokens' accumulators beside its tables spill)
+      if constexpr (MODE == kA8)
+        return cudaErrorInvalidValue;
+      else
+        return launch<256, GATED, MODE>(p, grid_rows, grid_tiles, stream);
     default:
       return cudaErrorInvalidValue;
   }
 }
 
-// The TMA's maps of a, w and (K a multiple of 256) the block scales, for tiles of `tile` tokens (kTma).
-cudaError_t encode_maps(ParamsTma& p, int rows, int tile) {
+// The TMA's maps of a (a8: e4m3), w and (K a multiple of 256) the block scales, for tiles of `tile` tokens (kTma).
+cudaError_t encode_maps(ParamsTma& p, int rows, int tile, bool a8) {
   const uint64_t experts_rows = static_cast<uint64_t>(p.num_experts) * p.nw;
   p.s_tma = p.k % 256 == 0;
   const bool ok =
-      sm90::encode_2d(&p.map_a, p.a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.k, rows, 64, tile,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B) &&
-      sm90::encode_2d(&p.map_w, p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.k / 2, experts_rows, stage_k(tile) / 2, 64,
+      sm90::encode_2d(&p.map_a, p.a, a8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, a8 ? 1 : 2,
+                      p.k, rows, a8 ? 128 : 64, tile, CU_TENSOR_MAP_L2_PROMOTION_L2_128B) &&
+      sm90::encode_2d(&p.map_w, p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.k / 2, experts_rows, stage_k(tile, a8) / 2, 64,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                      stage_k(tile) == 256 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B) &&
+                      stage_k(tile, a8) == 256 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B) &&
       (!p.s_tma || sm90::encode_2d(&p.map_s, p.scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.k / 16, experts_rows, 16, 64,
                                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_SWIZZLE_NONE));
   if (!ok) return sm90::tensor_map_encoder() == nullptr ? cudaErrorNotSupported : cudaErrorInvalidValue;
   return cudaSuccess;
 }
 
-template <bool SPLIT>
+template <int MODE>
 cudaError_t launch_act(const ParamsTma& p, int grid_rows, int grid_tiles, int tile, cudaStream_t stream) {
-  return p.act ? launch_tile<true, SPLIT>(p, grid_rows, grid_tiles, tile, stream)
-               : launch_tile<false, SPLIT>(p, grid_rows, grid_tiles, tile, stream);
+  return p.act ? launch_tile<true, MODE>(p, grid_rows, grid_tiles, tile, stream)
+               : launch_tile<false, MODE>(p, grid_rows, grid_tiles, tile, stream);
 }
 
 }  // namespace sm90_nvfp4
 }  // namespace fim
 
 // tile: tokens per CTA tile (8, 16, 32, 64, 128 or 256); act 0 (none: out [rows, nw]) or 1/2 (gated: out [rows, nw /
-// 2]); split_bits: the weights' words have split bits (moe/packed_nvfp4.py), else they are K-permuted bytes; offsets
+// 2]); wlayout (Mode): K-permuted bytes, split bits, or W4A8 words (moe/packed_nvfp4.py), the last with e4m3
+// activations a and their fp32 scales a_scale (row r's at r * a_scale_stride; stride 0: one scale); offsets
 // null for the masked layout (capacity C), else the contiguous layout's group starts, non-decreasing (capacity: a
 // bound); rows: the rows of a (at least 1). K a multiple of 64, nw (and nw / 2 when gated) a multiple of 64, all
 // pointers 16-byte aligned. split_tile, tail_lo, tail_hi, tail: see Params (split_tile 0, or larger than tail_hi;
@@ -710,17 +854,20 @@ cudaError_t launch_act(const ParamsTma& p, int grid_rows, int grid_tiles, int ti
 extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const void* scale, const float* gscale,
                                             int gscale_stride, const int32_t* counts, const int32_t* offsets, void* out,
                                             int out_f32, int num_experts, int rows, int capacity, int nw, int k,
-                                            int act, float alpha, float limit, int tile, int split_bits, int split_tile,
-                                            int tail_lo, int tail_hi, int tail, void* stream) {
+                                            int act, float alpha, float limit, int tile, int wlayout, int split_tile,
+                                            int tail_lo, int tail_hi, int tail, const float* a_scale,
+                                            int a_scale_stride, void* stream) {
   using namespace fim::sm90_nvfp4;
   if (k % 64 || nw % 64 || (act && nw % 128) || capacity <= 0 || rows <= 0) return cudaErrorInvalidValue;
+  if (wlayout < kLookup || wlayout > kA8 || (wlayout == kA8 && (a_scale == nullptr || a_scale_stride < 0)))
+    return cudaErrorInvalidValue;
   // (A split needs tiles of 32 tokens or more in every launch: the smaller ones' kernels take every row.)
   if (split_tile < 0 || (split_tile && (tile < 32 || tail_lo < 0 || tail_hi <= tail_lo || tail_hi >= split_tile)) ||
       (tail && !split_tile))
     return cudaErrorInvalidValue;
   const int row_map = offsets != nullptr && rows < num_experts;
   ParamsTma p{};
-  static_cast<Params&>(p) = Params{static_cast<const __nv_bfloat16*>(a),
+  static_cast<Params&>(p) = Params{a,
                                    static_cast<const uint8_t*>(w),
                                    static_cast<const uint8_t*>(scale),
                                    gscale,
@@ -741,9 +888,11 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
                                    split_tile,
                                    tail_lo,
                                    tail_hi,
-                                   tail};
+                                   tail,
+                                   a_scale,
+                                   a_scale_stride};
   if (tma_tiles(tile)) {
-    const cudaError_t err = encode_maps(p, rows, tile);
+    const cudaError_t err = encode_maps(p, rows, tile, wlayout == kA8);
     if (err != cudaSuccess) return err;
   }
   const auto s = static_cast<cudaStream_t>(stream);
@@ -754,6 +903,12 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
   const int64_t mean_rows = offsets ? (static_cast<int64_t>(rows) + num_experts - 1) / num_experts : capacity;
   const int64_t bound = std::min<int64_t>(tail ? tail_hi : mean_rows, capacity);
   const int grid_tiles = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((bound + tile - 1) / tile, 65535)));
-  return split_bits ? launch_act<true>(p, grid_rows, grid_tiles, tile, s)
-                    : launch_act<false>(p, grid_rows, grid_tiles, tile, s);
+  switch (wlayout) {
+    case kSplit:
+      return launch_act<kSplit>(p, grid_rows, grid_tiles, tile, s);
+    case kA8:
+      return launch_act<kA8>(p, grid_rows, grid_tiles, tile, s);
+    default:
+      return launch_act<kLookup>(p, grid_rows, grid_tiles, tile, s);
+  }
 }
