@@ -1,9 +1,9 @@
 """The Hopper kernel's W4A8 mode (NVFP4 weights in W4A8 words, FP8 activations; moe/gemm_nvfp4_w4a8.py) against
 float64 references: the rounding model the kernel computes (weights folded to e4m3 with their block scales), at
-masked capacities across every tile it takes (and the 32-token tail beside the 128-token tile), the contiguous
-layout with padding and fewer rows than experts, per-row and per-tensor activation scales, every activation, bf16
-and fp32 output, DeepSeek-V3 shapes, and every E2M1 code under every positive finite E4M3 scale bit for bit; and
-its error against the exact product, which docs/perf.md documents."""
+masked capacities across every tile it takes (and the 32-token tail beside the 128-token tile), rows per expert 0,
+1 and 127, the contiguous layout with padding and fewer rows than experts, per-row and per-tensor activation
+scales, every activation, bf16 and fp32 output, DeepSeek-V3 and Qwen3 shapes, and every E2M1 code under every
+positive finite E4M3 scale bit for bit; and its error against the exact product, which docs/perf.md documents."""
 
 import pytest
 import torch
@@ -41,7 +41,7 @@ def _activations(x, per_row):
 @pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("act", [None, "silu", "clamped_silu"])
-@pytest.mark.parametrize("capacity", [1, 5, 8, 16, 31, 64, 100, 128, 300])
+@pytest.mark.parametrize("capacity", [1, 5, 8, 16, 31, 64, 100, 127, 128, 300])
 @pytest.mark.parametrize("k", [320, 512])
 def test_masked(rng, k, capacity, act, out_dtype, per_row):
     """n = 192: the second CTA column's second warpgroup has no rows; K = 320: a partial stage; from 100 rows the
@@ -127,9 +127,12 @@ def test_every_code_and_scale_bit_exact(num_experts):
     assert torch.equal(out.cpu().reshape(k, n), want)
 
 
-@pytest.mark.parametrize("n, k, act", [(4096, 7168, "silu"), (7168, 2048, None)])
-def test_deepseek_shapes(rng, n, k, act):
-    """DeepSeek-V3's GEMM1 (2 I, H) = (4096, 7168) gated and GEMM2 (H, I) = (7168, 2048), masked 64 rows."""
+@pytest.mark.parametrize(
+    "n, k, act", [(4096, 7168, "silu"), (7168, 2048, None), (1536, 2048, "silu"), (2048, 768, None)]
+)
+def test_model_shapes(rng, n, k, act):
+    """DeepSeek-V3's GEMM1 (2 I, H) = (4096, 7168) gated and GEMM2 (H, I) = (7168, 2048), and Qwen3-30B-A3B's
+    (1536, 2048) and (2048, 768), masked 64 rows."""
     seed, g = rng
     num_experts, capacity = 3, 64
     a, a_scale = _activations(torch.randn(num_experts, capacity, k, generator=g).to(DEV), True)
