@@ -110,6 +110,44 @@ def grouped_gemm(
     return out
 
 
+def grouped_gemm_into(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    expert_offsets: torch.Tensor | None,
+    capacity: int,
+    *,
+    activation_kind: str | None,
+    alpha: float,
+    limit: float,
+) -> None:
+    """:func:`grouped_gemm` in fp32 written into the rows of ``out`` that each expert owns (the others are left as
+    they are): counts clamped to ``capacity``, and ``expert_offsets`` None for the masked layout (expert ``e``'s
+    rows from ``e * capacity``). The CPU implementation of the grouped GEMM ops that dequantize their weights first.
+
+    Args:
+        out: `[R, N]` (or `[R, N / 2]` with an activation), written in place.
+        a: `[R, K]`, already dequantized.
+        w: `[E, N, K]`, already dequantized.
+    """
+    counts = tokens_per_expert.clamp(max=capacity)
+    if expert_offsets is None:
+        expert_offsets = torch.arange(counts.shape[0], dtype=torch.int32, device=a.device) * capacity
+    y = grouped_gemm(
+        a,
+        w,
+        counts,
+        expert_offsets,
+        activation_kind=activation_kind,
+        alpha=alpha,
+        limit=limit,
+        compute_dtype=torch.float32,
+    )
+    for start, count in zip(expert_offsets.tolist(), counts.tolist(), strict=False):
+        out[start : start + count] = y[start : start + count].to(out.dtype)
+
+
 def _per_tensor(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_fp8_per_tensor(x, scale)
 

@@ -57,15 +57,8 @@ def _gemm_cpu(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, al
     # wlayout: PLAIN, KPERM or SPLIT_BITS (moe/packed_nvfp4.py)
     plain = w if wlayout == PLAIN else PackedNvfp4Weights(w, split_bits=wlayout == SPLIT_BITS).unpack()
     wf = dequantize_weights(plain, w_block_scale, w_global_scale)
-    counts = counts.clamp(max=capacity)
-    if offsets is None:
-        offsets = torch.arange(counts.shape[0], dtype=torch.int32) * capacity
     kind = ACT_NAMES[act]
-    y = ref.grouped_gemm(
-        a, wf, counts, offsets, activation_kind=kind, alpha=alpha, limit=limit, compute_dtype=torch.float32
-    )
-    for start, count in zip(offsets.tolist(), counts.tolist(), strict=False):
-        out[start : start + count] = y[start : start + count].to(out.dtype)
+    ref.grouped_gemm_into(out, a, wf, counts, offsets, capacity, activation_kind=kind, alpha=alpha, limit=limit)
 
 
 def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity, wlayout):
@@ -73,22 +66,8 @@ def _gemm_cuda(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, a
     from . import gemm_nvfp4_sm90 as sm90
 
     kperm, split = wlayout != PLAIN, wlayout == SPLIT_BITS
-    if sm90.usable(a, w, out, offsets, capacity, act, kperm):
-        with on_device(a):
-            sm90.launch(
-                a,
-                w,
-                w_block_scale,
-                w_global_scale,
-                out,
-                counts.contiguous(),
-                None if offsets is None else offsets.contiguous(),
-                act=act,
-                alpha=alpha,
-                limit=limit,
-                capacity=capacity,
-                split_bits=split,
-            )
+    kw = dict(act=act, alpha=alpha, limit=limit, capacity=capacity, kperm=kperm, split_bits=split)
+    if sm90.run_if_usable(a, w, w_block_scale, w_global_scale, out, counts, offsets, **kw):
         return
     config = kernel.pick(a.shape[0], w.shape[0], capacity, bool(act), 2 * w.shape[2], kperm)
     with on_device(a):
@@ -243,38 +222,15 @@ def _nvfp4(
             # W4A8 folds the block scale into each weight's e4m3 table and ors in the weight's sign.
             raise ValueError("w_block_scale must be non-negative for W4A8 (float8_e4m3fn a): NVFP4's block scales are")
     packed = isinstance(w, PackedNvfp4Weights)
-    if a8 and a.numel() and out.numel():
-        if not a.is_contiguous():
-            a = a.contiguous()
-        torch.ops.flashinfer_moe.grouped_gemm_nvfp4_w4a8_(
-            a.reshape(-1, a.shape[-1]),
-            a_scale,
-            w.data,
-            s,
-            g,
-            counts,
-            offsets,
-            out.view(-1, n),
-            act,
-            alpha,
-            limit,
-            capacity,
-        )
-    elif a.numel() and out.numel():
-        torch.ops.flashinfer_moe.grouped_gemm_nvfp4_(
-            a.reshape(-1, a.shape[-1]),
-            w.data if packed else w,
-            s,
-            g,
-            counts,
-            offsets,
-            out.view(-1, n),
-            act,
-            alpha,
-            limit,
-            capacity,
-            w.layout if packed else PLAIN,
-        )
+    if a.numel() and out.numel():
+        a2 = (a.contiguous() if a8 else a).reshape(-1, a.shape[-1])
+        rest = (s, g, counts, offsets, out.view(-1, n), act, alpha, limit, capacity)
+        if a8:
+            torch.ops.flashinfer_moe.grouped_gemm_nvfp4_w4a8_(a2, a_scale, w.data, *rest)
+        else:
+            torch.ops.flashinfer_moe.grouped_gemm_nvfp4_(
+                a2, w.data if packed else w, *rest, w.layout if packed else PLAIN
+            )
     return out
 
 

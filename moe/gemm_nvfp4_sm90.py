@@ -18,7 +18,7 @@ import ctypes
 import torch
 
 from flashinfer_moe import envs
-from flashinfer_moe._ops import check_launch, is_sm90, kernel_library, stream_of
+from flashinfer_moe._ops import check_launch, is_sm90, kernel_library, on_device, stream_of
 from flashinfer_moe.jit import KernelSpec, register
 
 from .gemm_op import ACT_CODES
@@ -184,3 +184,14 @@ def launch(
             stream_of(a),
         )
         check_launch(lib, status, "grouped_gemm_nvfp4 (sm90)")
+
+
+def run_if_usable(a, w, w_block_scale, w_global_scale, out, counts, offsets, *, kperm: bool, **kw) -> bool:
+    """:func:`launch` (its keyword arguments ``kw``) on ``a``'s device where :func:`usable` takes the call
+    (``a_scale`` given: W4A8); whether it did."""
+    if not usable(a, w, out, offsets, kw["capacity"], kw["act"], kperm, a8=kw.get("a_scale") is not None):
+        return False
+    with on_device(a):
+        offsets = None if offsets is None else offsets.contiguous()
+        launch(a, w, w_block_scale, w_global_scale, out, counts.contiguous(), offsets, **kw)
+    return True

@@ -22,7 +22,7 @@ import torch
 from flashinfer_moe import _checks
 from flashinfer_moe import reference_gemm as ref
 from flashinfer_moe import reference_quant as ref_quant
-from flashinfer_moe._ops import LIB, on_device
+from flashinfer_moe._ops import LIB
 
 from .gemm_op import ACT_NAMES
 from .packed_nvfp4 import PackedNvfp4Weights
@@ -62,35 +62,15 @@ def _reference(a, a_scale, w, w_block_scale, w_global_scale, counts, offsets, ou
     else:
         wf = wf * gs[:, None, None]
     af = a.float() * (a_scale.reshape(()) if a_scale.numel() == 1 else a_scale[:, None])
-    counts = counts.clamp(max=capacity)
-    if offsets is None:
-        offsets = torch.arange(counts.shape[0], dtype=torch.int32, device=a.device) * capacity
-    y = ref.grouped_gemm(
-        af, wf, counts, offsets, activation_kind=ACT_NAMES[act], alpha=alpha, limit=limit, compute_dtype=torch.float32
-    )
-    for start, count in zip(offsets.tolist(), counts.tolist(), strict=False):
-        out[start : start + count] = y[start : start + count].to(out.dtype)
+    kind = ACT_NAMES[act]
+    ref.grouped_gemm_into(out, af, wf, counts, offsets, capacity, activation_kind=kind, alpha=alpha, limit=limit)
 
 
 def _gemm_cuda(a, a_scale, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity):
     from . import gemm_nvfp4_sm90 as sm90
 
-    if sm90.usable(a, w, out, offsets, capacity, act, True, a8=True):
-        with on_device(a):
-            sm90.launch(
-                a,
-                w,
-                w_block_scale,
-                w_global_scale,
-                out,
-                counts.contiguous(),
-                None if offsets is None else offsets.contiguous(),
-                act=act,
-                alpha=alpha,
-                limit=limit,
-                capacity=capacity,
-                a_scale=a_scale,
-            )
+    kw = dict(act=act, alpha=alpha, limit=limit, capacity=capacity, kperm=True, a_scale=a_scale)
+    if sm90.run_if_usable(a, w, w_block_scale, w_global_scale, out, counts, offsets, **kw):
         return
     # Other GPUs and operands the kernel does not take: the same arithmetic in torch (host syncs, slow).
     _reference(a, a_scale, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity)

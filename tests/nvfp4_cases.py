@@ -106,3 +106,13 @@ def w4a8_reference(a, a_scale, w, block_scale, global_scale, counts, offsets, ac
             rows = slice(start, start + count)
             out[rows] = ref.activation(a2[rows] @ values[e].T, activation)
     return out
+
+
+def every_code_weights(k: int = 256):
+    """``(w [1, N, K / 2] uint8, block_scale [1, N, K / 16] e4m3, N)`` with N = 16 x 128 rows: every E2M1 code under
+    every finite non-negative E4M3 scale (subnormals and zero included; 16 more rows of scale 0), for the tests that
+    read the expanded weights back through an identity."""
+    n = 16 * 128
+    codes = torch.arange(16, dtype=torch.uint8).repeat(n, k // 16).view(1, n, k)
+    scales = (torch.arange(128, dtype=torch.uint8) % 127).repeat_interleave(16)[:, None].expand(n, k // 16)
+    return rq.pack_nibbles(codes), scales.clone().view(FP8)[None], n

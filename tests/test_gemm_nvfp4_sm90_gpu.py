@@ -7,7 +7,7 @@ every E2M1 code under every finite E4M3 scale bit for bit."""
 import pytest
 import torch
 from gemm_cases import contiguous_layout, owned_rows, rel_err
-from nvfp4_cases import FP8, grouped_reference, nvfp4_weights
+from nvfp4_cases import every_code_weights, grouped_reference, nvfp4_weights
 
 import flashinfer_moe as fm
 from flashinfer_moe import reference_quant as rq
@@ -126,11 +126,7 @@ def test_every_code_expands_exactly(split, num_experts):
     scale (subnormals and zero included) and their signs, bit for bit the reference's dequantization (with split
     bits, code 1 is a bf16 subnormal before its scale)."""
     k = 256
-    n = 16 * 128  # 16 codes x 127 finite non-negative scales (+ 16 rows of scale 0)
-    codes = torch.arange(16, dtype=torch.uint8).repeat(n, k // 16).view(1, n, k)
-    scales = (torch.arange(128, dtype=torch.uint8) % 127).repeat_interleave(16)[:, None].expand(n, k // 16)
-    scales = scales.clone().view(FP8)[None]
-    w = rq.pack_nibbles(codes)
+    w, scales, n = every_code_weights(k)
     wp = fm.pack_nvfp4_weights(w.expand(num_experts, -1, -1).contiguous().to(DEV), split_bits=split)
     rows = k // num_experts
     eye = torch.eye(k, dtype=torch.bfloat16, device=DEV).view(num_experts, rows, k)

@@ -8,10 +8,9 @@ positive finite E4M3 scale bit for bit; and its error against the exact product,
 import pytest
 import torch
 from gemm_cases import contiguous_layout, owned_rows, rel_err
-from nvfp4_cases import FP8, fp8_rows, grouped_reference, nvfp4_weights, w4a8_reference
+from nvfp4_cases import FP8, every_code_weights, fp8_rows, grouped_reference, nvfp4_weights, w4a8_reference
 
 import flashinfer_moe as fm
-from flashinfer_moe import reference_quant as rq
 from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90
 from flashinfer_moe.moe.gemm_nvfp4_w4a8 import w4a8_weight_values
 
@@ -107,11 +106,7 @@ def test_every_code_and_scale_bit_exact(num_experts):
     1: the output is the folded weights themselves, every E2M1 code under every positive finite E4M3 scale (zero
     and subnormals included), bit for bit the rounding model."""
     k = 256
-    n = 16 * 128  # 16 codes x 127 finite non-negative scales (+ 16 rows of scale 0)
-    codes = torch.arange(16, dtype=torch.uint8).repeat(n, k // 16).view(1, n, k)
-    scales = (torch.arange(128, dtype=torch.uint8) % 127).repeat_interleave(16)[:, None].expand(n, k // 16)
-    scales = scales.clone().view(FP8)[None]
-    w = rq.pack_nibbles(codes)
+    w, scales, n = every_code_weights(k)
     wp = fm.pack_nvfp4_weights(w.expand(num_experts, -1, -1).contiguous().to(DEV), w4a8=True)
     rows = k // num_experts
     eye = torch.eye(k, device=DEV).to(FP8).view(num_experts, rows, k)

@@ -79,148 +79,60 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {
 }
 
 // wgmma with A (the expanded weights) in registers and B (the activations) in shared memory, accumulating: one
-// overload per N (the accumulators d, N / 2 a thread, listed as operands four or sixteen at a time).
+// overload per N (the accumulators d, N / 2 a thread, listed as operands four or sixteen at a time), for bf16 (k16;
+// its last immediate leaves B untransposed) and for e4m3 (k32, the W4A8 mode: the A fragment's registers hold four
+// e4m3 each, rows lane / 4 and + 8, k 4 (lane % 4) .. + 3 and 16 more; no transpose immediates).
 #define FIM_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define FIM_ACC16(i) FIM_ACC4(i), FIM_ACC4(i + 4), FIM_ACC4(i + 8), FIM_ACC4(i + 12)
-__device__ __forceinline__ void wgmma_rs(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-      : FIM_ACC4(0)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, "
-      "p, 1, 1, 0;\n}\n"
-      : FIM_ACC4(0), FIM_ACC4(4)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-      : FIM_ACC16(0)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, "
-      "%35}, %36, p, 1, 1, 0;\n}\n"
-      : FIM_ACC16(0), FIM_ACC16(16)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-// The prefill tiles': m64n128k16 and m64n256k16, 64 and 128 accumulators a thread.
-__device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-      : FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
-      : FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48), FIM_ACC16(64), FIM_ACC16(80), FIM_ACC16(96),
-        FIM_ACC16(112)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-// The same with e4m3 operands (W4A8: the weights expanded to e4m3, the activations FP8): m64 x n{8 .. 256} x k32, the
-// A fragment's registers holding four e4m3 each (rows lane / 4 and + 8, k 4 (lane % 4) .. + 3 and 16 more).
-
-__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
-      : FIM_ACC4(0)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7}, "
-      "{%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
-      : FIM_ACC4(0), FIM_ACC4(4)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "{%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
-      : FIM_ACC16(0)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-      : FIM_ACC16(0), FIM_ACC16(16)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "
-      "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "
-      "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, "
-      "%68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, "
-      "%90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, "
-      "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "{%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
-      : FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48), FIM_ACC16(64), FIM_ACC16(80), FIM_ACC16(96),
-        FIM_ACC16(112)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
+// The operands of m64nN: d's N / 2 registers, a's four, the descriptor.
+#define FIM_OPS_8 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8"
+#define FIM_OPS_16 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12"
+#define FIM_OPS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20"
+#define FIM_OPS_64                                                                                                  \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36"
+#define FIM_OPS_128                                                                                                   \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "   \
+  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "    \
+  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, " \
+  "%68"
+#define FIM_OPS_256                                                                                                 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
+  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, "  \
+  "%68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, "  \
+  "%90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, "  \
+  "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "   \
+  "{%128, %129, %130, %131}, %132"
+#define FIM_WGMMA_RS(FN, N, TYPES, K, TAIL, ...)                                                              \
+  __device__ __forceinline__ void FN(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {            \
+    asm volatile(                                                                                             \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                            \
+        "wgmma.mma_async.sync.aligned.m64n" #N "k" #K ".f32." TYPES " " FIM_OPS_##N ", p, 1, 1" TAIL ";\n}\n" \
+        : __VA_ARGS__                                                                                         \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));                                           \
+  }
+FIM_WGMMA_RS(wgmma_rs, 8, "bf16.bf16", 16, ", 0", FIM_ACC4(0))
+FIM_WGMMA_RS(wgmma_rs, 16, "bf16.bf16", 16, ", 0", FIM_ACC4(0), FIM_ACC4(4))
+FIM_WGMMA_RS(wgmma_rs, 32, "bf16.bf16", 16, ", 0", FIM_ACC16(0))
+FIM_WGMMA_RS(wgmma_rs, 64, "bf16.bf16", 16, ", 0", FIM_ACC16(0), FIM_ACC16(16))
+FIM_WGMMA_RS(wgmma_rs, 128, "bf16.bf16", 16, ", 0", FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48))
+FIM_WGMMA_RS(wgmma_rs, 256, "bf16.bf16", 16, ", 0", FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48),
+             FIM_ACC16(64), FIM_ACC16(80), FIM_ACC16(96), FIM_ACC16(112))
+FIM_WGMMA_RS(wgmma_rs_e4m3, 8, "e4m3.e4m3", 32, "", FIM_ACC4(0))
+FIM_WGMMA_RS(wgmma_rs_e4m3, 16, "e4m3.e4m3", 32, "", FIM_ACC4(0), FIM_ACC4(4))
+FIM_WGMMA_RS(wgmma_rs_e4m3, 32, "e4m3.e4m3", 32, "", FIM_ACC16(0))
+FIM_WGMMA_RS(wgmma_rs_e4m3, 64, "e4m3.e4m3", 32, "", FIM_ACC16(0), FIM_ACC16(16))
+FIM_WGMMA_RS(wgmma_rs_e4m3, 128, "e4m3.e4m3", 32, "", FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48))
+FIM_WGMMA_RS(wgmma_rs_e4m3, 256, "e4m3.e4m3", 32, "", FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48),
+             FIM_ACC16(64), FIM_ACC16(80), FIM_ACC16(96), FIM_ACC16(112))
+#undef FIM_WGMMA_RS
+#undef FIM_OPS_8
+#undef FIM_OPS_16
+#undef FIM_OPS_32
+#undef FIM_OPS_64
+#undef FIM_OPS_128
+#undef FIM_OPS_256
 #undef FIM_ACC16
 #undef FIM_ACC4
 
