@@ -51,7 +51,7 @@ __all__ = ["PackedNvfp4Weights", "pack_nvfp4_weights"]
 K_MULTIPLE = 64  # K elements per permuted span (32 bytes)
 _SPAN = K_MULTIPLE // 2
 # The weight layouts the kernels read (the GEMM op's ``wlayout``): plain ModelOpt bytes, K-permuted, K-permuted
-# with split bits.
+# with split bits; and W4A8 words, the only layout of the W4A8 op.
 PLAIN, KPERM, SPLIT_BITS, W4A8 = 0, 1, 2, 3
 PAIR_MASK = 0x81C081C0
 SPLIT_BITS_SCALE = 2.0**118  # the block scale's factor with split bits (exact in bf16 up to E4M3's 448)
@@ -83,11 +83,13 @@ _WORDS_PER_STEP = 1 << 22  # words converted at a time (int64 temporaries of 32 
 
 class PackedNvfp4Weights(PackedWeights):
     """NVFP4 expert weights `[E, N, K / 2]` K-permuted by :func:`pack_nvfp4_weights`; the NVFP4 grouped GEMMs,
-    :func:`fused_moe` and the layers take them in place of ``w``, with the unchanged block and global scales.
+    :func:`fused_moe` and the layers take them in place of ``w``, with the unchanged block and global scales (W4A8
+    words: the NVFP4 grouped GEMMs with FP8 activations only).
 
     Attributes:
         data: `[E, N, K / 2]` uint8 in the permuted byte order.
         split_bits: whether each 4-byte word's bits are split as well (see the module docstring).
+        w4a8: whether the bytes are W4A8 words instead (module docstring), for FP8 activations only.
     """
 
     __slots__ = ("split_bits", "w4a8")
