@@ -218,9 +218,15 @@ def _nvfp4(
     (out,) = _outputs(out, a, n, default_dtype if out_dtype is None else out_dtype, False)
     if validate:
         check_global_scale_values(w_global_scale=g)
-        if a8 and _value_check_applies(s) and bool((s.view(torch.uint8) >= 0x80).any()):
+        if a8 and _value_check_applies(s):
             # W4A8 folds the block scale into each weight's e4m3 table and ors in the weight's sign.
-            raise ValueError("w_block_scale must be non-negative for W4A8 (float8_e4m3fn a): NVFP4's block scales are")
+            negative = (s.view(torch.uint8) >= 0x80).reshape(-1)
+            if bool(negative.any()):
+                first = float(s.reshape(-1)[negative][0].float())
+                raise ValueError(
+                    "w_block_scale must be non-negative for W4A8 (float8_e4m3fn a), as NVFP4's block scales are, "
+                    f"got {int(negative.sum())} with the sign bit set (e.g. {first})"
+                )
     packed = isinstance(w, PackedNvfp4Weights)
     if a.numel() and out.numel():
         a2 = (a.contiguous() if a8 else a).reshape(-1, a.shape[-1])
