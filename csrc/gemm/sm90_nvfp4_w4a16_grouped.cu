@@ -25,8 +25,8 @@
 // deep and the block scales change every 16 K, so each block scale is folded into an 8-entry e4m3 table of its
 // weights' magnitudes (x 1/8), looked up by byte permutes (expand8_e4m3); the tables are copied per stage from those
 // of all 256 scale bytes, built once per CTA. The activations' scales and the 8 are applied to the sums. Half the
-// tensor-pipe instructions and half the activation bytes of W4A16: 1.15-1.27x W4A16 at 64 rows a group, the same at
-// 8-32 (the integer pipe), an E4M3 rounding of each folded weight (docs/perf.md).
+// tensor-pipe instructions and half the activation bytes of W4A16: 1.2-1.3x W4A16 at 64 rows a group, 1.06-1.17x at
+// 32, the same at 8-16 (the integer pipe), an E4M3 rounding of each folded weight (docs/perf.md).
 //
 // Structure: two warpgroups per CTA (without the activation: four for 64-token tiles, three for 128), 64 weight rows
 // each (with an activation: the first half of the warpgroups the gate rows, the second half their up rows, the up
@@ -56,9 +56,9 @@ namespace sm90_nvfp4 {
 // The prefill tiles: 128 and 256 tokens a CTA (256: wgmma's largest N), so that each expanded weight serves that
 // many products; one CTA an SM, the stages refilled late (kLate), the output staged through shared memory.
 // W4A8's 128-token tile (its largest) has the decode tiles' structure, three warpgroups (gated: two) and 256-deep
-// stages, one CTA an SM: its FP8 activations take half the bytes, so such a stage fits where W4A16's does not; 1.10x
-// the prefill tiles' structure at 128 rows a group on an H200, and 1.00-1.02x four warpgroups with 128-deep stages
-// or two fragment buffers (docs/perf-notes.md).
+// stages, one CTA an SM: its FP8 activations take half the bytes, so such a stage fits where W4A16's does not. At 128
+// rows a group on an H200: 1.02-1.11x the prefill tiles' structure, 0.99-1.06x four warpgroups with 128-deep stages,
+// 0.98-1.03x itself with two fragment buffers (docs/perf-notes.md).
 __host__ __device__ constexpr bool a8_t128(int t, bool a8) { return a8 && t == 128; }
 __host__ __device__ constexpr bool prefill_tile(int t, bool a8 = false) { return t >= 128 && !a8_t128(t, a8); }
 // K of one shared-memory stage of T-token tiles: 256 (four 64-deep spans), except for the prefill tiles, whose
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(128 * W, W >= 3 || prefill_tile(T) || T == 128
   // tiles without the activation, and for the prefill tiles, whose products are long enough to hide a span's
   // expansion whole: elsewhere the extra 16 registers per thread, at the 128 that two CTAs per SM (or 512 threads)
   // allow, measured slower (the gated 8-token tile 266 against 236 us; every decode tile with two, on an H100: no
-  // faster at 8 rows, 0.9-1.0x at 16-64, docs/perf-notes.md; W4A8's tiles of 16-128 tokens: 0.98-1.02x).
+  // faster at 8 rows, 0.9-1.0x at 16-64, docs/perf-notes.md; W4A8's tiles of 16-128 tokens: 0.98-1.03x).
   constexpr int kBufs = (T == 8 && !GATED) || prefill_tile(T, A8) ? 2 : 1;
   constexpr int kXBytes = T * SK * static_cast<int>(sizeof(AT));
   // The prefill tiles refill a stage's buffer in the middle of the next stage (after its first span's products
