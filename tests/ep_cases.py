@@ -14,10 +14,12 @@ from flashinfer_moe import EPMoELayer, MoELayer
 E, K, H, I = 12, 4, 256, 128
 ROUTING = ROUTINGS["deepseek_v3"]
 # Bound of the worst token's relative error per quant: bf16 rounding of the exchanged sums; FP8 block the same
-# quantized operands summed in another order; FP8 per tensor, activations quantized per 128 channels on the wire
-# where the single-process layer takes one scale for the whole batch (a token far below the batch's amax keeps
-# only a few bits there: up to ~6% seen). A token missing one of its k = 4 experts scores ~0.25 or more.
-TOLERANCE = {None: 1e-2, "fp8_block": 1e-2, "fp8_tensor": 0.1, "nvfp4": 1e-2}
+# quantized operands summed in another order, where an fp32 sum one ulp apart can round GEMM2's FP8 input to the
+# next e4m3 value (6% of that element; 1.17% of a token seen, seed 15403230 on three ranks, so 3%); FP8 per
+# tensor, activations quantized per 128 channels on the wire where the single-process layer takes one scale for the
+# whole batch (a token far below the batch's amax keeps only a few bits there: up to ~6% seen). A token missing one
+# of its k = 4 experts scores ~0.25 or more.
+TOLERANCE = {None: 1e-2, "fp8_block": 3e-2, "fp8_tensor": 0.1, "nvfp4": 1e-2}
 PROJECTIONS = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
 
 
