@@ -64,6 +64,9 @@ __host__ __device__ constexpr bool prefill_tile(int t, bool a8 = false) { return
 // K of one shared-memory stage of T-token tiles: 256 (four 64-deep spans), except for the prefill tiles, whose
 // activations alone would take 64-128 KB a stage at that depth: 128 there (3 or 5 stages in the SM's shared memory).
 __host__ __device__ constexpr int stage_k(int t, bool a8 = false) { return prefill_tile(t, a8) ? 128 : 256; }
+// CTAs that take an SM alone (its registers and shared memory): three or four warpgroups, or 128 tokens and more
+// (the prefill tiles, and W4A8's 128-token tile); the others two an SM.
+__host__ __device__ constexpr bool one_cta_per_sm(int t, int w) { return w >= 3 || t >= 128; }
 // Per CTA of W warpgroups (64 weight rows each) and stage K sk: a stage's weight bytes, their block scales, and
 // those scales as duplicated bf16 pairs (scale_pairs).
 __host__ __device__ constexpr int w_stage_bytes(int w, int sk) { return 64 * w * sk / 2; }
@@ -331,7 +334,7 @@ __device__ __forceinline__ void epilogue_staged(const Params& p, float (&acc)[T 
 // others their up rows, in the same order); STAGES: shared-memory stages, each the activations, weights and scales
 // of stage_k(T) K; MODE: the weight layout and its expansion (Mode).
 template <int T, int W, bool GATED, int STAGES, int MODE>
-__global__ void __launch_bounds__(128 * W, W >= 3 || prefill_tile(T) || T == 128 ? 1 : 2)
+__global__ void __launch_bounds__(128 * W, one_cta_per_sm(T, W) ? 1 : 2)
     nvfp4_grouped_kernel(const __grid_constant__ ParamsFor<T> p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kThreads = 128 * W, kRowsCta = 64 * W;
@@ -766,12 +769,11 @@ __global__ void __launch_bounds__(128 * W, W >= 3 || prefill_tile(T) || T == 128
 }
 
 // Stages: as many as fit beside another resident CTA (two per SM; three measured slower: the grids of decode shapes
-// fall into fewer, less full waves), at least 3; the 64-token tile's CTA of four warpgroups and the prefill tiles'
-// take the SM's shared memory alone.
+// fall into fewer, less full waves), at least 3; a CTA alone on its SM (one_cta_per_sm) takes its shared memory.
 template <int T, bool GATED, bool A8>
 constexpr int stages_for() {
   constexpr int W = warpgroups_for<T, GATED, A8>();
-  constexpr int budget = (W >= 3 || prefill_tile(T) || T == 128 ? 226 : 110) * 1024;
+  constexpr int budget = (one_cta_per_sm(T, W) ? 226 : 110) * 1024;
   constexpr int fit = (budget - conv_bytes(W, stage_k(T, A8), A8) - (tma_tiles(T) ? 8 * 8 : 0)) / stage_bytes(T, W, A8);
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
 }
