@@ -25,7 +25,7 @@ from flashinfer_moe import reference_quant as ref_quant
 from flashinfer_moe._ops import LIB, on_device
 
 from .gemm import _ACT_DOC, _activation, _check_experts, _outputs, _rows_and_groups
-from .gemm_nvfp4_w4a8 import check_activation_scale, check_w4a8_weights
+from .gemm_nvfp4_w4a8 import check_activation_scale
 from .gemm_op import ACT_NAMES
 from .packed_nvfp4 import PLAIN, SPLIT_BITS, PackedNvfp4Weights, check_packable
 from .quant import FP8
@@ -41,16 +41,20 @@ LIB.define(
 )
 
 
-def dequantize_weights(w: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor, dtype=torch.float32):
-    """`[E, NW, K]` values in ``dtype`` of NVFP4 weights; a `[E, 2]` global scale covers rows ``[0, NW/2)``
-    with its first value and the rest with its second."""
-    values = ref_quant.dequantize_nvfp4(w, block_scale, 1.0).to(dtype)  # [E, NW, K]
-    gs = global_scale.to(dtype)
+def global_scaled(values: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """``values`` `[E, NW, K]` times their global scale (in their dtype): `[E]`, or `[E, 2]` covering rows
+    ``[0, NW/2)`` with its first value and the rest with its second."""
+    gs = global_scale.to(values.dtype)
     if gs.dim() == 2:
-        half = w.shape[1] // 2
-        rows = torch.cat((gs[:, :1].expand(-1, half), gs[:, 1:].expand(-1, w.shape[1] - half)), dim=1)
+        half = values.shape[1] // 2
+        rows = torch.cat((gs[:, :1].expand(-1, half), gs[:, 1:].expand(-1, values.shape[1] - half)), dim=1)
         return values * rows[:, :, None]
     return values * gs[:, None, None]
+
+
+def dequantize_weights(w: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor, dtype=torch.float32):
+    """`[E, NW, K]` values in ``dtype`` of NVFP4 weights, global scale as :func:`global_scaled` takes it."""
+    return global_scaled(ref_quant.dequantize_nvfp4(w, block_scale, 1.0).to(dtype), global_scale)
 
 
 def _gemm_cpu(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity, wlayout):
@@ -133,12 +137,19 @@ def check_weights(
     uint8, ``block_scale`` `[E, N, K / 16]` float8_e4m3fn, ``global_scale`` fp32 `[E]` (or `[E, 2]` when
     ``gated``). ``names``: the three arguments' names and the name of the tensor K comes from. The global
     scale's values are not read here (see :func:`check_global_scale_values`). ``w`` may be
-    :class:`PackedNvfp4Weights` (returned as given, its data checked)."""
+    :class:`PackedNvfp4Weights` (returned as given, its data checked); W4A8 words exactly when ``like`` is
+    float8_e4m3fn (W4A8)."""
     w_name, s_name, g_name, k_name = names
-    if isinstance(w, PackedNvfp4Weights) and w.w4a8 and like.dtype != FP8:
+    w4a8 = isinstance(w, PackedNvfp4Weights) and w.w4a8
+    if w4a8 and like.dtype != FP8:
         raise ValueError(
             f"{w_name} holds W4A8 words (pack_nvfp4_weights(w, w4a8=True)), which take float8_e4m3fn activations "
             f"only, got {k_name} of dtype {like.dtype}"
+        )
+    if like.dtype == FP8 and not w4a8:
+        got = repr(w) if isinstance(w, PackedNvfp4Weights) else type(w).__name__
+        raise ValueError(
+            f"{w_name} must be packed with pack_nvfp4_weights(w, w4a8=True) for float8_e4m3fn {k_name}, got {got}"
         )
     if k % K_MULTIPLE:
         raise ValueError(f"{k_name} must have K a multiple of {K_MULTIPLE} for NVFP4 weights, got K = {k}")
@@ -206,7 +217,6 @@ def _nvfp4(
     _checks.unit_last_stride("a", a)
     a8 = a.dtype == FP8
     if a8:
-        check_w4a8_weights(w)
         a_scale = check_activation_scale(a_scale, a)
     elif a_scale is not None:
         raise ValueError(f"a_scale is for float8_e4m3fn activations only, got a of dtype {a.dtype}")

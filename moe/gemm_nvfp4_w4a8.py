@@ -53,14 +53,10 @@ def w4a8_weight_values(w: torch.Tensor, block_scale: torch.Tensor) -> torch.Tens
 
 def _reference(a, a_scale, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity):
     # w holds W4A8 words; computed in fp32 on a's device.
+    from .gemm_nvfp4 import global_scaled  # (gemm_nvfp4 imports this module)
+
     plain = PackedNvfp4Weights(w, w4a8=True).unpack()
-    wf = w4a8_weight_values(plain, w_block_scale)
-    gs = w_global_scale.float()
-    if gs.dim() == 2:
-        half = wf.shape[1] // 2
-        wf = torch.cat((wf[:, :half] * gs[:, :1, None], wf[:, half:] * gs[:, 1:, None]), dim=1)
-    else:
-        wf = wf * gs[:, None, None]
+    wf = global_scaled(w4a8_weight_values(plain, w_block_scale), w_global_scale)
     af = a.float() * (a_scale.reshape(()) if a_scale.numel() == 1 else a_scale[:, None])
     kind = ACT_NAMES[act]
     ref.grouped_gemm_into(out, af, wf, counts, offsets, capacity, activation_kind=kind, alpha=alpha, limit=limit)
@@ -95,12 +91,3 @@ def check_activation_scale(a_scale: object, a: torch.Tensor) -> torch.Tensor:
             f"a_scale must have shape {lead} (one per row) or () or (1,) (one per tensor), got {tuple(s.shape)}"
         )
     return s.reshape(-1).contiguous()
-
-
-def check_w4a8_weights(w: object) -> None:
-    """FP8 activations take weights in W4A8 words only."""
-    if not (isinstance(w, PackedNvfp4Weights) and w.w4a8):
-        got = repr(w) if isinstance(w, PackedNvfp4Weights) else type(w).__name__
-        raise ValueError(
-            "w must be packed with pack_nvfp4_weights(w, w4a8=True) for float8_e4m3fn activations, got " + got
-        )
