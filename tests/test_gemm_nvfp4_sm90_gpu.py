@@ -201,7 +201,12 @@ def test_prefill_tiles_many_groups(rng, layout_kind, tile, k, act, split):
     counts[torch.randperm(num_experts - 3, generator=g)[:5] + 3] = 0
     counts[0], counts[1] = tile + 1, 1
     if layout_kind == "contiguous":
-        counts[2] = max(0, int(counts[2]) + int(0.9 * tile * num_experts) - int(counts.sum()))
+        # The groups' mean at 0.9 tiles, so that the tile rule picks `tile`: group 2 fills up to it, after the
+        # largest random groups were halved where the others alone pass it.
+        target = int(0.9 * tile * num_experts)
+        while int(counts.sum()) - int(counts[2]) > target:
+            counts[int(torch.argmax(counts[3:])) + 3] //= 2
+        counts[2] = target - (int(counts.sum()) - int(counts[2]))
         assert sm90.tile_for_layout(int(counts.sum()), num_experts, None) == tile
         layout = contiguous_layout(counts.tolist(), 1, DEV)
         a = torch.randn(layout.num_rows, k, generator=g).bfloat16().to(DEV)

@@ -33,10 +33,10 @@
 // accumulators passed to the gate warpgroups through shared memory at the end), CTAs per (column block, expert) along
 // the group's token tiles as many as its mean size fills, each looping over every such tile (one at decode). A ring of
 // shared-memory stages, each 256 K (prefill tiles: 128) of the activations (wgmma's B operand: 128-byte swizzled rows),
-// the CTA's weight rows and their block scales, is filled with cp.async by the whole CTA, or from 32-token tiles on by
-// TMA boxes that one thread issues. At 8-16 tokens the integer pipe (the expansion's masks and shifts) and the weight
-// stream set the time; at 64 tokens, latency; at prefill, the tensor pipe and the stages' latency (docs/perf.md and
-// docs/perf-notes.md have the profiles).
+// the CTA's weight rows and their block scales, is filled with cp.async by the whole CTA, or (from 32-token tiles on,
+// and every W4A8 tile) by TMA boxes that one thread issues. At 8-16 tokens the integer pipe (the expansion's masks and
+// shifts) and the weight stream set the time; at 64 tokens, latency; at prefill, the tensor pipe and the stages'
+// latency (docs/perf.md and docs/perf-notes.md have the profiles).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -99,9 +99,10 @@ __host__ __device__ constexpr int stage_bytes(int t, int w, bool a8) {
 }
 __host__ __device__ constexpr int cols_per_cta(int w, bool gated) { return gated ? 32 * w : 64 * w; }
 // Whether T-token tiles take their stages by TMA (ParamsTma, mbarriers) instead of cp.async: from 32 tokens on (at 64
-// tokens 1.08-1.13x faster on an H200, whose cp.async addresses and predicates take issue slots from the expansion;
-// at 8 tokens no faster: an H100, 0.97-1.00x, docs/perf-notes.md).
-__host__ __device__ constexpr bool tma_tiles(int t) { return t >= 32; }
+// tokens 1.08-1.13x faster on an H200, whose cp.async addresses and predicates take issue slots from the expansion),
+// and W4A8's smaller tiles too (1.03-1.10x at 8-16 rows a group on an H200; W4A16's 8- and 16-token tiles measured
+// 0.97-1.04x there, and one thread's TMA issue then holds the CTA at each stage's barrier, docs/perf-notes.md).
+__host__ __device__ constexpr bool tma_tiles(int t, bool a8) { return t >= 32 || a8; }
 
 // The expansion's byte tables (bf16 low and high bytes of the E2M1 magnitudes), see expand4.
 [[maybe_unused]] __device__ const uint32_t kTables[4] = {0xC0800000u, 0xC0804000u, 0x3F3F3F00u, 0x40404040u};
@@ -137,8 +138,8 @@ struct ParamsTma : Params {
   int s_tma;  // K a multiple of 256: the block scales' rows are then whole 16-byte units
   CUtensorMap map_a, map_w, map_s;
 };
-template <int T>
-using ParamsFor = typename std::conditional<tma_tiles(T), ParamsTma, Params>::type;
+template <int T, bool A8>
+using ParamsFor = typename std::conditional<tma_tiles(T, A8), ParamsTma, Params>::type;
 
 // The weight layouts (moe/packed_nvfp4.py), each with its expansion: K-permuted bytes by byte lookup (W4A16), split
 // bits (W4A16), and the W4A8 words (e4m3 by table lookup, FP8 activations).
@@ -335,7 +336,7 @@ __device__ __forceinline__ void epilogue_staged(const Params& p, float (&acc)[T 
 // of stage_k(T) K; MODE: the weight layout and its expansion (Mode).
 template <int T, int W, bool GATED, int STAGES, int MODE>
 __global__ void __launch_bounds__(128 * W, one_cta_per_sm(T, W) ? 1 : 2)
-    nvfp4_grouped_kernel(const __grid_constant__ ParamsFor<T> p) {
+    nvfp4_grouped_kernel(const __grid_constant__ ParamsFor<T, MODE == kA8> p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kThreads = 128 * W, kRowsCta = 64 * W;
   constexpr bool SPLIT = MODE == kSplit, A8 = MODE == kA8;
@@ -370,7 +371,7 @@ __global__ void __launch_bounds__(128 * W, one_cta_per_sm(T, W) ? 1 : 2)
   // t / 2), so that a warpgroup barrier makes a stage's scales visible to the warpgroup that converts them.
   static_assert(!kLate || kRowsCta * kSRow / 4 == kThreads, "one scale copy a thread");
   constexpr int kStageBytes = stage_bytes(T, W, A8);
-  constexpr bool kTma = tma_tiles(T);  // the stages by TMA boxes that one thread issues
+  constexpr bool kTma = tma_tiles(T, A8);  // the stages by TMA boxes that one thread issues
   extern __shared__ uint8_t smem_raw[];
 
   // The grid: (column blocks, CTAs along a group, experts or rows), so that the CTAs running together share an
@@ -458,10 +459,10 @@ __global__ void __launch_bounds__(128 * W, one_cta_per_sm(T, W) ? 1 : 2)
   // kTma: only the scales, where the TMA does not bring them.
   static_assert(kTma || SK == 256, "the weights' cp.async layout is that of 256-deep stages");
   constexpr int kWCopies = kTma ? 0 : kRowsCta * 8 / kThreads, kSCopies = kRowsCta * (kSRow / 4) / kThreads;
-  // (16-byte chunks of a stage's activation rows: W4A8's 8-token tiles have fewer than threads.)
+  // (16-byte chunks of a stage's activation rows, a whole number a thread.)
   constexpr int kXChunks = SK * static_cast<int>(sizeof(AT)) / 16, kXPerChunk = 16 / static_cast<int>(sizeof(AT));
-  constexpr int kXCopies = kTma ? 0 : (T * kXChunks + kThreads - 1) / kThreads;
-  constexpr bool kXPartial = !kTma && T * kXChunks % kThreads != 0;
+  static_assert(kTma || T * kXChunks % kThreads == 0, "the activations' copies fill the threads");
+  constexpr int kXCopies = kTma ? 0 : T * kXChunks / kThreads;
   const uint8_t* w_src[kWCopies > 0 ? kWCopies : 1];
   uint32_t w_dst[kWCopies > 0 ? kWCopies : 1];
   int w_lim[kWCopies > 0 ? kWCopies : 1];  // bytes of the row past the copy's start in stage 0 (<= 0: no such row)
@@ -538,7 +539,6 @@ __global__ void __launch_bounds__(128 * W, one_cta_per_sm(T, W) ? 1 : 2)
         }
 #pragma unroll
         for (int m = 0; m < kXCopies; ++m) {
-          if (kXPartial && threadIdx.x + m * kThreads >= T * kXChunks) continue;
           const bool ok = k0 < x_lim[m];
           cp_async_16(buf + x_dst[m], ok ? x_src[m] + k0 : static_cast<const AT*>(p.a), ok ? 16 : 0);
         }
@@ -774,7 +774,8 @@ template <int T, bool GATED, bool A8>
 constexpr int stages_for() {
   constexpr int W = warpgroups_for<T, GATED, A8>();
   constexpr int budget = (one_cta_per_sm(T, W) ? 226 : 110) * 1024;
-  constexpr int fit = (budget - conv_bytes(W, stage_k(T, A8), A8) - (tma_tiles(T) ? 8 * 8 : 0)) / stage_bytes(T, W, A8);
+  constexpr int fit =
+      (budget - conv_bytes(W, stage_k(T, A8), A8) - (tma_tiles(T, A8) ? 8 * 8 : 0)) / stage_bytes(T, W, A8);
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
 }
 
@@ -786,14 +787,14 @@ cudaError_t launch(const ParamsTma& p, int grid_rows, int grid_tiles, cudaStream
   // CTAs of 8-token tiles fill the 196 KB shared-memory carveout exactly, and 32 bytes more each (the next carveout,
   // 228 KB, leaves L1 28 KB instead of 60) made them 1.06x slower on an H200.
   constexpr int kSmem =
-      kStages * stage_bytes(T, W, A8) + conv_bytes(W, stage_k(T, A8), A8) + (tma_tiles(T) ? 8 * kStages : 0) + 1024;
+      kStages * stage_bytes(T, W, A8) + conv_bytes(W, stage_k(T, A8), A8) + (tma_tiles(T, A8) ? 8 * kStages : 0) + 1024;
   constexpr int kCols = cols_per_cta(W, GATED);
   cudaError_t err = sm90::opt_in_shared_memory<nvfp4_grouped_kernel<T, W, GATED, kStages, MODE>>(kSmem);
   if (err != cudaSuccess) return err;
   // Token tiles before experts (see the kernel): 1.00-1.06x at prefill on an H200 (docs/perf-notes.md).
   const dim3 grid((p.n_out + kCols - 1) / kCols, grid_tiles, grid_rows);
   nvfp4_grouped_kernel<T, W, GATED, kStages, MODE>
-      <<<grid, 128 * W, kSmem, stream>>>(static_cast<const ParamsFor<T>&>(p));
+      <<<grid, 128 * W, kSmem, stream>>>(static_cast<const ParamsFor<T, A8>&>(p));
   return cudaGetLastError();
 }
 
@@ -893,7 +894,7 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
                                    tail,
                                    a_scale,
                                    a_scale_stride};
-  if (tma_tiles(tile)) {
+  if (tma_tiles(tile, wlayout == kA8)) {
     const cudaError_t err = encode_maps(p, rows, tile, wlayout == kA8);
     if (err != cudaSuccess) return err;
   }
