@@ -26,7 +26,8 @@
 // weights' magnitudes (x 1/8), looked up by byte permutes (expand8_e4m3); the tables are copied per stage from those
 // of all 256 scale bytes, built once per CTA. The activations' scales and the 8 are applied to the sums. Half the
 // tensor-pipe instructions and half the activation bytes of W4A16: 1.2-1.3x W4A16 at 64 rows a group, 1.06-1.17x at
-// 32, the same at 8-16 (the integer pipe), an E4M3 rounding of each folded weight (docs/perf.md).
+// 32, 1.02-1.16x at 8-16 (with TMA stages there; the latency between the stages and the products sets the time), an
+// E4M3 rounding of each folded weight (docs/perf.md).
 //
 // Structure: two warpgroups per CTA (without the activation: four for 64-token tiles, three for 128), 64 weight rows
 // each (with an activation: the first half of the warpgroups the gate rows, the second half their up rows, the up
@@ -101,7 +102,7 @@ __host__ __device__ constexpr int cols_per_cta(int w, bool gated) { return gated
 // Whether T-token tiles take their stages by TMA (ParamsTma, mbarriers) instead of cp.async: from 32 tokens on (at 64
 // tokens 1.08-1.13x faster on an H200, whose cp.async addresses and predicates take issue slots from the expansion),
 // and W4A8's smaller tiles too (1.03-1.10x at 8-16 rows a group on an H200; W4A16's 8- and 16-token tiles measured
-// 0.97-1.04x there, and one thread's TMA issue then holds the CTA at each stage's barrier, docs/perf-notes.md).
+// 0.95-1.04x there, and one thread's TMA issue then holds the CTA at each stage's barrier, docs/perf-notes.md).
 __host__ __device__ constexpr bool tma_tiles(int t, bool a8) { return t >= 32 || a8; }
 
 // The expansion's byte tables (bf16 low and high bytes of the E2M1 magnitudes), see expand4.
