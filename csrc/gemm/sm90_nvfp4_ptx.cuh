@@ -112,20 +112,18 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {
         : __VA_ARGS__                                                                                         \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));                                           \
   }
-FIM_WGMMA_RS(wgmma_rs, 8, "bf16.bf16", 16, ", 0", FIM_ACC4(0))
-FIM_WGMMA_RS(wgmma_rs, 16, "bf16.bf16", 16, ", 0", FIM_ACC4(0), FIM_ACC4(4))
-FIM_WGMMA_RS(wgmma_rs, 32, "bf16.bf16", 16, ", 0", FIM_ACC16(0))
-FIM_WGMMA_RS(wgmma_rs, 64, "bf16.bf16", 16, ", 0", FIM_ACC16(0), FIM_ACC16(16))
-FIM_WGMMA_RS(wgmma_rs, 128, "bf16.bf16", 16, ", 0", FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48))
-FIM_WGMMA_RS(wgmma_rs, 256, "bf16.bf16", 16, ", 0", FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48),
-             FIM_ACC16(64), FIM_ACC16(80), FIM_ACC16(96), FIM_ACC16(112))
-FIM_WGMMA_RS(wgmma_rs_e4m3, 8, "e4m3.e4m3", 32, "", FIM_ACC4(0))
-FIM_WGMMA_RS(wgmma_rs_e4m3, 16, "e4m3.e4m3", 32, "", FIM_ACC4(0), FIM_ACC4(4))
-FIM_WGMMA_RS(wgmma_rs_e4m3, 32, "e4m3.e4m3", 32, "", FIM_ACC16(0))
-FIM_WGMMA_RS(wgmma_rs_e4m3, 64, "e4m3.e4m3", 32, "", FIM_ACC16(0), FIM_ACC16(16))
-FIM_WGMMA_RS(wgmma_rs_e4m3, 128, "e4m3.e4m3", 32, "", FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48))
-FIM_WGMMA_RS(wgmma_rs_e4m3, 256, "e4m3.e4m3", 32, "", FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48),
-             FIM_ACC16(64), FIM_ACC16(80), FIM_ACC16(96), FIM_ACC16(112))
+// Every tile width of one operand type: FN(d, a, desc_b) overloaded on N.
+#define FIM_WGMMA_RS_ALL(FN, TYPES, K, TAIL)                                                                      \
+  FIM_WGMMA_RS(FN, 8, TYPES, K, TAIL, FIM_ACC4(0))                                                                \
+  FIM_WGMMA_RS(FN, 16, TYPES, K, TAIL, FIM_ACC4(0), FIM_ACC4(4))                                                  \
+  FIM_WGMMA_RS(FN, 32, TYPES, K, TAIL, FIM_ACC16(0))                                                              \
+  FIM_WGMMA_RS(FN, 64, TYPES, K, TAIL, FIM_ACC16(0), FIM_ACC16(16))                                               \
+  FIM_WGMMA_RS(FN, 128, TYPES, K, TAIL, FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48))                \
+  FIM_WGMMA_RS(FN, 256, TYPES, K, TAIL, FIM_ACC16(0), FIM_ACC16(16), FIM_ACC16(32), FIM_ACC16(48), FIM_ACC16(64), \
+               FIM_ACC16(80), FIM_ACC16(96), FIM_ACC16(112))
+FIM_WGMMA_RS_ALL(wgmma_rs, "bf16.bf16", 16, ", 0")
+FIM_WGMMA_RS_ALL(wgmma_rs_e4m3, "e4m3.e4m3", 32, "")
+#undef FIM_WGMMA_RS_ALL
 #undef FIM_WGMMA_RS
 #undef FIM_OPS_8
 #undef FIM_OPS_16
