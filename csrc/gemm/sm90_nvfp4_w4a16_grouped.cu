@@ -29,7 +29,7 @@
 // 32, 1.02-1.16x at 8-16 (with TMA stages there; the latency between the stages and the products sets the time), an
 // E4M3 rounding of each folded weight (docs/perf.md).
 //
-// Structure: two warpgroups per CTA (without the activation: four for 64-token tiles, three for 128), 64 weight rows
+// Structure: two warpgroups per CTA (four for 64-token tiles; without the activation three for 128), 64 weight rows
 // each (with an activation: the first half of the warpgroups the gate rows, the second half their up rows, the up
 // accumulators passed to the gate warpgroups through shared memory at the end), CTAs per (column block, expert) along
 // the group's token tiles as many as its mean size fills, each looping over every such tile (one at decode). A ring of
@@ -82,16 +82,17 @@ constexpr int kScaleTableBytes = 256 * 8;
 __host__ __device__ constexpr int conv_bytes(int w, int sk, bool a8) {
   return a8 ? 64 * w * table_row_bytes(sk) + kScaleTableBytes : pair_bytes(w, sk);
 }
-// Warpgroups per CTA for T-token tiles: 4 for the 64-token tile without the activation, whose stages take the SM's
-// shared memory alone (16 warps to hide its latencies instead of 8, and each activation stage read for 256 weight
-// rows, not 128: measured 10% faster on an H100); 3 for the 128-token tile without it, for the same reasons (its 64
-// accumulators a thread fit 3 x 128 threads' registers, not 4 x 128: 1.01-1.11x at 100-128 rows per group on an
-// H200, docs/perf-notes.md); else 2 (the gated 64-token tile with four, correct in the GPU tests, has not been
-// timed; gate and up rows pair warpgroups; the 256-token tile's 128 accumulators leave room for no more).
+// Warpgroups per CTA for T-token tiles: 4 for the 64-token tile, whose stages take the SM's shared memory alone (16
+// warps to hide its latencies instead of 8, and each activation stage read for 256 weight rows, not 128: measured 10%
+// faster on an H100; gated, two gate and two up warpgroups, 1.14-1.23x (W4A16) and 1.28-1.32x (W4A8) at 48-64 rows
+// per group and 2048 output columns on an H200, 0.98-1.03x at 768, docs/perf-notes.md); 3 for the 128-token tile
+// without the activation, for the same reasons (its 64 accumulators a thread fit 3 x 128 threads' registers, not
+// 4 x 128: 1.01-1.11x at 100-128 rows per group on an H200); else 2 (gate and up rows pair warpgroups; the 256-token
+// tile's 128 accumulators leave room for no more).
 template <int T, bool GATED, bool A8>
 constexpr int warpgroups_for() {
   if constexpr (a8_t128(T, A8)) return GATED ? 2 : 3;
-  return T == 64 && !GATED ? 4 : (T == 128 && !GATED ? 3 : 2);
+  return T == 64 ? 4 : (T == 128 && !GATED ? 3 : 2);
 }
 // Bytes of one stage of T-token tiles (activations, weights, block scales), and the output columns of a CTA (GATED:
 // half its weight rows are up rows), for the kernel and its launch alike.
