@@ -84,8 +84,8 @@ __host__ __device__ constexpr int conv_bytes(int w, int sk, bool a8) {
 }
 // Warpgroups per CTA for T-token tiles: 4 for the 64-token tile, whose stages take the SM's shared memory alone (16
 // warps to hide its latencies instead of 8, and each activation stage read for 256 weight rows, not 128: measured 10%
-// faster on an H100; gated, two gate and two up warpgroups, 1.14-1.23x (W4A16) and 1.28-1.32x (W4A8) at 48-64 rows
-// per group and 2048 output columns on an H200, 0.98-1.03x at 768, docs/perf-notes.md); 3 for the 128-token tile
+// faster on an H100; gated, two gate and two up warpgroups, 1.14-1.25x (W4A16) and 1.28-1.38x (W4A8) at 33-64 rows
+// per group and 2048 output columns on H200s, 0.98-1.03x at 768, docs/perf-notes.md); 3 for the 128-token tile
 // without the activation, for the same reasons (its 64 accumulators a thread fit 3 x 128 threads' registers, not
 // 4 x 128: 1.01-1.11x at 100-128 rows per group on an H200); else 2 (gate and up rows pair warpgroups; the 256-token
 // tile's 128 accumulators leave room for no more).
