@@ -34,6 +34,7 @@ __all__ = [
     "dequantize_nvfp4",
     "e2m1_decode",
     "e2m1_encode",
+    "nvfp4_global_scaled",
     "pack_nibbles",
     "quantize_fp8_block_weights",
     "quantize_fp8_per_tensor",
@@ -364,3 +365,21 @@ def dequantize_nvfp4(
     global_scale = _scale_arg("global_scale", global_scale, "packed", packed)
     values = e2m1_decode(unpack_nibbles(packed)).unflatten(-1, (num_blocks, NVFP4_BLOCK))
     return (values * block_scales.float().unsqueeze(-1) * global_scale).flatten(-2)
+
+
+def nvfp4_global_scaled(values: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Expert weights times their NVFP4 global scale, in ``values``' dtype and on its device.
+
+    Args:
+        values: `[E, NW, K]` dequantized weights (block scales applied).
+        global_scale: `[E]`, or `[E, 2]` (gated weights: the first value for rows ``[0, NW/2)``, the second for
+            the rest).
+
+    Returns:
+        `[E, NW, K]` in ``values``' dtype.
+    """
+    gs = global_scale.to(device=values.device, dtype=values.dtype)
+    if gs.dim() == 2:
+        half = values.shape[1] // 2
+        return torch.cat((values[:, :half] * gs[:, :1, None], values[:, half:] * gs[:, 1:, None]), dim=1)
+    return values * gs[:, None, None]

@@ -41,20 +41,10 @@ LIB.define(
 )
 
 
-def global_scaled(values: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """``values`` `[E, NW, K]` times their global scale (in their dtype): `[E]`, or `[E, 2]` covering rows
-    ``[0, NW/2)`` with its first value and the rest with its second."""
-    gs = global_scale.to(values.dtype)
-    if gs.dim() == 2:
-        half = values.shape[1] // 2
-        rows = torch.cat((gs[:, :1].expand(-1, half), gs[:, 1:].expand(-1, values.shape[1] - half)), dim=1)
-        return values * rows[:, :, None]
-    return values * gs[:, None, None]
-
-
 def dequantize_weights(w: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor, dtype=torch.float32):
-    """`[E, NW, K]` values in ``dtype`` of NVFP4 weights, global scale as :func:`global_scaled` takes it."""
-    return global_scaled(ref_quant.dequantize_nvfp4(w, block_scale, 1.0).to(dtype), global_scale)
+    """`[E, NW, K]` values in ``dtype`` of NVFP4 weights, global scale as
+    :func:`~flashinfer_moe.reference_quant.nvfp4_global_scaled` takes it."""
+    return ref_quant.nvfp4_global_scaled(ref_quant.dequantize_nvfp4(w, block_scale, 1.0).to(dtype), global_scale)
 
 
 def _gemm_cpu(a, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity, wlayout):

@@ -53,10 +53,8 @@ def w4a8_weight_values(w: torch.Tensor, block_scale: torch.Tensor) -> torch.Tens
 
 def _reference(a, a_scale, w, w_block_scale, w_global_scale, counts, offsets, out, act, alpha, limit, capacity):
     # w holds W4A8 words; computed in fp32 on a's device.
-    from .gemm_nvfp4 import global_scaled  # (gemm_nvfp4 imports this module)
-
     plain = PackedNvfp4Weights(w, w4a8=True).unpack()
-    wf = global_scaled(w4a8_weight_values(plain, w_block_scale), w_global_scale)
+    wf = ref_quant.nvfp4_global_scaled(w4a8_weight_values(plain, w_block_scale), w_global_scale)
     af = a.float() * (a_scale.reshape(()) if a_scale.numel() == 1 else a_scale[:, None])
     kind = ACT_NAMES[act]
     ref.grouped_gemm_into(out, af, wf, counts, offsets, capacity, activation_kind=kind, alpha=alpha, limit=limit)

@@ -33,17 +33,7 @@ def nvfp4_weights(num_experts: int, n: int, k: int, g: torch.Generator, device="
 def dequantized(w, block_scale, global_scale) -> torch.Tensor:
     """float64 `[E, N, K]` of NVFP4 weights, on their device; a `[E, 2]` global scale covers the first and
     second half of the rows."""
-    return _global_scaled(rq.dequantize_nvfp4(w, block_scale, 1.0).double(), global_scale)
-
-
-def _global_scaled(values: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """float64 `[E, N, K]` ``values`` times a `[E]` global scale, or `[E, 2]` one (first and second half of the
-    rows)."""
-    gs = global_scale.to(values.device).double()
-    if gs.dim() == 2:
-        half = values.shape[1] // 2
-        return torch.cat((values[:, :half] * gs[:, :1, None], values[:, half:] * gs[:, 1:, None]), dim=1)
-    return values * gs[:, None, None]
+    return rq.nvfp4_global_scaled(rq.dequantize_nvfp4(w, block_scale, 1.0).double(), global_scale)
 
 
 def grouped_reference(a, w, block_scale, global_scale, counts, offsets, activation) -> torch.Tensor:
@@ -97,7 +87,7 @@ def w4a8_reference(a, a_scale, w, block_scale, global_scale, counts, offsets, ac
     a2 = a.reshape(-1, a.shape[-1]).double()
     s = a_scale.reshape(-1).double()
     a2 = a2 * (s[:, None] if s.numel() > 1 else s)
-    values = _global_scaled(w4a8_weight_values(w, block_scale).double(), global_scale)
+    values = rq.nvfp4_global_scaled(w4a8_weight_values(w, block_scale).double(), global_scale)
     n = w.shape[1] // 2 if activation else w.shape[1]
     out = torch.zeros(a2.shape[0], n, dtype=torch.float64, device=a.device)
     for e, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
