@@ -22,7 +22,7 @@ from flashinfer_moe._ops import check_launch, is_sm90, kernel_library, on_device
 from flashinfer_moe.jit import KernelSpec, register
 
 from .gemm_op import ACT_CODES
-from .gemm_sm90 import _rows_per_expert
+from .gemm_sm90 import _rows_per_expert, _sm_count
 
 SPEC = register(
     KernelSpec(
@@ -47,7 +47,7 @@ W4A8_MAX_TILE = 128  # W4A8's largest tile (256 tokens' accumulators beside its 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "fim_sm90_nvfp4_w4a16_grouped": (
-        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp] + [_int] * 7 + [_float, _float] + [_int] * 6 + [_vp, _int, _vp],
+        [_vp, _vp, _vp, _vp, _int, _vp, _vp, _vp] + [_int] * 7 + [_float, _float] + [_int] * 7 + [_vp, _int, _vp],
         _int,
     )
 }
@@ -96,6 +96,26 @@ def tail_tiles_for(tile: int, capacity: int | None) -> tuple[int, ...]:
     """The tail launches' tiles, ascending, beside a launch of ``tile`` tokens on the contiguous (``capacity``
     None) or the masked layout; () for none."""
     return (TAIL_TILES if capacity is None else MASKED_TAIL_TILES).get(tile, ())
+
+
+# The gated 128-token tile (W4A16) on four warpgroups instead of two: 128 output columns a CTA instead of 64, and
+# each activation stage read for 256 weight rows. Where both grids fill the GPU in as many waves that is faster (on
+# an H200, 2026-11-28, masked groups of 65-128 rows: 1.07-1.20x at 1024-2048 output columns of 8-128 experts and
+# 1.07-1.18x at 768 columns of 64-128 experts; fused_moe of DeepSeek-V3 1.05-1.07x, docs/perf.md), but its CTAs take
+# twice as long, so where they fill fewer whole waves two warpgroups win: 768 columns of 32 experts (192 CTAs
+# against 384, on 132 SMs) 0.91x, of 8 experts (48 against 96) 0.65x. Four where their waves, each counted
+# 1 / WIDE_T128_GAIN as long as two of the two-warpgroup grid's, take no longer (it orders all ten shapes measured).
+WIDE_T128_GAIN = 1.09
+
+
+def gated_t128_wide(n_out: int, ctas_per_column_block: int, sms: int) -> bool:
+    """Whether the gated 128-token tile runs on four warpgroups: ``n_out`` output columns, ``ctas_per_column_block``
+    CTAs along the groups and their tiles, ``sms`` SMs (one CTA an SM either way)."""
+
+    def waves(cols: int) -> int:
+        return -(-(-(-n_out // cols) * ctas_per_column_block) // sms)
+
+    return waves(128) <= WIDE_T128_GAIN * waves(64) / 2
 
 
 def usable(
@@ -154,7 +174,17 @@ def launch(
     # The whole tiles (and rests past the largest tail), then each tail's rests: (lo, hi] rows past the whole tiles.
     launches = [(tile, 0, tails[-1] if tails else 0, 0)]
     launches += [(t, lo, t, 1) for lo, t in zip((0, *tails), tails, strict=False)]
+    rows = a.shape[0]
     for run_tile, tail_lo, tail_hi, tail in launches:
+        wide = False
+        if run_tile == 128 and act != ACT_CODES[None] and mode != 2:
+            # The kernel's grid along a column block (its entry point): CTA rows (one per group, or per row where
+            # contiguous rows are fewer than groups) times the tiles along a group its mean rows (masked: the
+            # capacity) fill.
+            grid_rows = rows if offsets is not None and rows < num_experts else num_experts
+            bound = min(tail_hi if tail else (-(-rows // num_experts) if offsets is not None else capacity), capacity)
+            grid_tiles = max(1, min(-(-bound // run_tile), 65535))
+            wide = gated_t128_wide(nw // 2, grid_rows * grid_tiles, _sm_count(a.device.index))
         status = lib.fim_sm90_nvfp4_w4a16_grouped(
             a.data_ptr(),
             w.data_ptr(),
@@ -166,7 +196,7 @@ def launch(
             out.data_ptr(),
             int(out.dtype == torch.float32),
             num_experts,
-            a.shape[0],
+            rows,
             capacity,
             nw,
             2 * half_k,
@@ -179,6 +209,7 @@ def launch(
             tail_lo,
             tail_hi,
             tail,
+            int(wide),
             None if a_scale is None else a_scale.data_ptr(),
             0 if a_scale is None or a_scale.numel() == 1 else 1,
             stream_of(a),

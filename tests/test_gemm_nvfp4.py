@@ -285,3 +285,27 @@ def test_cuda_kernel_tail_tiles(tile, capacity, tails):
     from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90
 
     assert sm90.tail_tiles_for(tile, capacity) == tails
+
+
+@pytest.mark.parametrize(
+    ("n_out", "ctas", "wide"),
+    [
+        # (output columns, CTAs along a column block): the masked shapes measured on an H200 (132 SMs).
+        (768, 32, False),  # 192 CTAs of four warpgroups (2 waves) against 384 of two (3 shorter ones): 0.91x
+        (768, 8, False),  # 48 against 96, both under a wave: 0.65x
+        (768, 64, True),
+        (768, 128, True),
+        (1024, 32, True),  # 256 against 512: 2 waves against 4
+        (1536, 8, True),  # 96 against 192: 1 wave against 2
+        (1536, 32, True),
+        (2048, 16, True),
+        (2048, 32, True),
+        (2048, 256, True),  # fused_moe of DeepSeek-V3 at 128 rows a group
+    ],
+)
+def test_cuda_kernel_gated_128_tile_warpgroups(n_out, ctas, wide):
+    """The gated 128-token tile takes four warpgroups where its grid's waves, each shorter than two of the
+    two-warpgroup grid's, take no longer; two where four would leave a last wave mostly idle."""
+    from flashinfer_moe.moe import gemm_nvfp4_sm90 as sm90
+
+    assert sm90.gated_t128_wide(n_out, ctas, 132) is wide

@@ -192,6 +192,21 @@ def test_prefill_tiles_many_groups(rng, layout_kind, tile, k, act, split):
     """The prefill tiles over more CTAs than any Hopper GPU has SMs (n = 1536 and 24 groups: several waves),
     groups of 0 to several tiles (a CTA looping over a group's tiles), and K of 1 to 9 stages of 128 (partial ones
     too): fewer stages than the ring holds (128-token tiles: 5), just as many, or more."""
+    _many_groups(rng, layout_kind, tile, k, act, split)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("k", [192, 1088])
+@pytest.mark.parametrize("layout_kind", ["contiguous", "masked"])
+@pytest.mark.parametrize("wide", [False, True])
+def test_gated_128_tile_on_two_and_four_warpgroups(rng, monkeypatch, wide, layout_kind, k, split):
+    """The gated 128-token tile with each of its warpgroup counts (two: a gate and an up warpgroup; four: two of
+    each, their outputs exchanged in shared memory), whichever the launch's rule would pick for the shape."""
+    monkeypatch.setattr(sm90, "gated_t128_wide", lambda *args: wide)
+    _many_groups(rng, layout_kind, 128, k, "silu", split)
+
+
+def _many_groups(rng, layout_kind, tile, k, act, split):
     seed, g = rng
     num_experts, n = 24, 1536
     gated = act is not None

@@ -29,15 +29,15 @@
 // 32, 1.02-1.16x at 8-16 (with TMA stages there; the latency between the stages and the products sets the time), an
 // E4M3 rounding of each folded weight (docs/perf.md).
 //
-// Structure: two warpgroups per CTA (four for 64-token tiles; without the activation three for 128), 64 weight rows
-// each (with an activation: the first half of the warpgroups the gate rows, the second half their up rows, the up
-// accumulators passed to the gate warpgroups through shared memory at the end), CTAs per (column block, expert) along
-// the group's token tiles as many as its mean size fills, each looping over every such tile (one at decode). A ring of
-// shared-memory stages, each 256 K (prefill tiles: 128) of the activations (wgmma's B operand: 128-byte swizzled rows),
-// the CTA's weight rows and their block scales, is filled with cp.async by the whole CTA, or (from 32-token tiles on,
-// and every W4A8 tile) by TMA boxes that one thread issues. At 8-16 tokens the integer pipe (the expansion's masks and
-// shifts) and the weight stream set the time; at 64 tokens, latency; at prefill, the tensor pipe and the stages'
-// latency (docs/perf.md and docs/perf-notes.md have the profiles).
+// Structure: two warpgroups per CTA (four for 64-token tiles; for 128, three without the activation and four with it
+// where the grid's waves allow), 64 weight rows each (with an activation: the first half of the warpgroups the gate
+// rows, the second half their up rows, the up accumulators passed to the gate warpgroups through shared memory at the
+// end), CTAs per (column block, expert) along the group's token tiles as many as its mean size fills, each looping over
+// every such tile (one at decode). A ring of shared-memory stages, each 256 K (prefill tiles: 128) of the activations
+// (wgmma's B operand: 128-byte swizzled rows), the CTA's weight rows and their block scales, is filled with cp.async by
+// the whole CTA, or (from 32-token tiles on, and every W4A8 tile) by TMA boxes that one thread issues. At 8-16 tokens
+// the integer pipe (the expansion's masks and shifts) and the weight stream set the time; at 64 tokens, latency; at
+// prefill, the tensor pipe and the stages' latency (docs/perf.md and docs/perf-notes.md have the profiles).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -88,10 +88,15 @@ __host__ __device__ constexpr int conv_bytes(int w, int sk, bool a8) {
 // per group and 2048 output columns on H200s, 0.98-1.03x at 768, docs/perf-notes.md); 3 for the 128-token tile
 // without the activation, for the same reasons (its 64 accumulators a thread fit 3 x 128 threads' registers, not
 // 4 x 128: 1.01-1.11x at 100-128 rows per group on an H200); else 2 (gate and up rows pair warpgroups; the 256-token
-// tile's 128 accumulators leave room for no more).
-template <int T, bool GATED, bool A8>
+// tile's 128 accumulators leave room for no more). WIDE: the gated 128-token tile on four (two gate, two up), which
+// the launch picks where the grid's waves allow (moe/gemm_nvfp4_sm90.py): its CTAs take 128 output columns each, twice
+// as long as two warpgroups' 64, and each activation stage is read for 256 weight rows (1.07-1.20x faster where the
+// GPU stays full; its 64 accumulators a thread fit 512 threads with 256-264 bytes spilled in the epilogue alone).
+template <int T, bool GATED, bool A8, bool WIDE = false>
 constexpr int warpgroups_for() {
+  static_assert(!WIDE || (T == 128 && GATED && !A8), "four warpgroups: the gated W4A16 128-token tile");
   if constexpr (a8_t128(T, A8)) return GATED ? 2 : 3;
+  if constexpr (WIDE) return 4;
   return T == 64 ? 4 : (T == 128 && !GATED ? 3 : 2);
 }
 // Bytes of one stage of T-token tiles (activations, weights, block scales), and the output columns of a CTA (GATED:
@@ -303,16 +308,17 @@ __device__ __forceinline__ void epilogue_staged(const Params& p, float (&acc)[T 
   constexpr int R = T / 2, kCols = cols_per_cta(W, GATED), kThreads = 128 * W;
   // Rows padded by 16 bytes: a transposed 8 x 8 matrix's eight rows then fall into different banks.
   constexpr int kPitch = kCols * 2 + 16;
-  static_assert(!GATED || W == 2, "the gate and up rows are one warpgroup each");
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  // GATED: the exchange takes [0, R * 512) of the stages, the output tile the bytes after it.
-  const uint32_t tile = base + (GATED ? R * 512 : 0);
+  // GATED: the exchange takes [0, W / 2 * R * 512) of the stages (a slot per gate warpgroup), the output tile the
+  // bytes after it.
+  const uint32_t tile = base + (GATED ? (W / 2) * R * 512 : 0);
   if (scaled_outputs<T, W, GATED>(p, acc, base, g0, g1, active)) {
-    // Matrix (j, h): output columns warp * 16 + 8 h + (0..7) of the warpgroup's, tokens 8 j + (0..7); this thread's
+    // Matrix (j, h): output columns warp * 16 + 8 h + (0..7) of the warpgroup's (GATED: of gate warpgroup wg's 64,
+    // in the order of the CTA's gate rows), tokens 8 j + (0..7); this thread's
     // pair of it is acc[4 j + 2 h], acc[4 j + 2 h + 1]. One stmatrix takes (j, 0), (j, 1), (j + 1, 0), (j + 1, 1).
     const int m = lane >> 3;
     const uint32_t addr =
-        tile + ((m >> 1) * 8 + (lane & 7)) * kPitch + ((GATED ? 0 : wg * 64) + warp * 16 + 8 * (m & 1)) * 2;
+        tile + ((m >> 1) * 8 + (lane & 7)) * kPitch + ((GATED ? wg % (W / 2) : wg) * 64 + warp * 16 + 8 * (m & 1)) * 2;
 #pragma unroll
     for (int j = 0; j < T / 8; j += 2)
       stmatrix_x4_trans(addr + 8 * j * kPitch, bf16x2_of(acc[4 * j], acc[4 * j + 1]),
@@ -356,18 +362,20 @@ __global__ void __launch_bounds__(128 * W, one_cta_per_sm(T, W) ? 1 : 2)
   constexpr int kTRow = table_row_bytes(SK);  // W4A8: a row's tables in a stage
   // Fragment buffers: with two, a span's expansion runs while the previous span's wgmma group is in flight
   // (ptxas would otherwise give every span's fragments the same registers, see the span loop). Only for 8-token
-  // tiles without the activation, and for the prefill tiles, whose products are long enough to hide a span's
+  // tiles (W4A16: without the activation), and for the prefill tiles, whose products are long enough to hide a span's
   // expansion whole: elsewhere the extra 16 registers per thread, at the 128 that two CTAs per SM (or 512 threads)
-  // allow, measured slower (the gated 8-token tile 266 against 236 us; every decode tile with two, on an H100: no
-  // faster at 8 rows, 0.9-1.0x at 16-64, docs/perf-notes.md; W4A8's tiles of 16-128 tokens: 0.98-1.03x).
-  constexpr int kBufs = (T == 8 && !GATED) || prefill_tile(T, A8) ? 2 : 1;
+  // allow, measured slower (W4A16's gated 8-token tile 266 against 236 us; every decode tile with two, on an H100: no
+  // faster at 8 rows, 0.9-1.0x at 16-64, docs/perf-notes.md; W4A8's tiles of 16-128 tokens: 0.98-1.03x; on an H200
+  // again, 0.95-0.99x at 16 and 1.00x at 32). W4A8's gated 8-token tile, whose e4m3 fragments take 8 registers a
+  // buffer, 1.07-1.08x faster with two.
+  constexpr int kBufs = (T == 8 && (!GATED || A8)) || prefill_tile(T, A8) ? 2 : 1;
   constexpr int kXBytes = T * SK * static_cast<int>(sizeof(AT));
   // The prefill tiles refill a stage's buffer in the middle of the next stage (after its first span's products
   // were issued and the last stage's have completed), not at its start: STAGES - 1 stages ahead instead of
   // STAGES - 2, which makes the difference between one stage and two where three stages are all that fit (T = 256:
   // 1.04-1.14x faster on five of six shapes on an H100, docs/perf-notes.md).
   constexpr bool kLate = prefill_tile(T, A8);
-  static_assert(!kLate || (kSpans == 2 && kBufs == 2 && (W == 2 || (W == 3 && !GATED))),
+  static_assert(!kLate || (kSpans == 2 && kBufs == 2 && (W == 2 || W == 3 + GATED)),
                 "two spans a stage, two fragment buffers");
   // ... and each thread copies one 4-byte piece of the block scales, of a row of its own warpgroup (thread t: row
   // t / 2), so that a warpgroup barrier makes a stage's scales visible to the warpgroup that converts them.
@@ -772,19 +780,19 @@ __global__ void __launch_bounds__(128 * W, one_cta_per_sm(T, W) ? 1 : 2)
 
 // Stages: as many as fit beside another resident CTA (two per SM; three measured slower: the grids of decode shapes
 // fall into fewer, less full waves), at least 3; a CTA alone on its SM (one_cta_per_sm) takes its shared memory.
-template <int T, bool GATED, bool A8>
+template <int T, bool GATED, bool A8, bool WIDE>
 constexpr int stages_for() {
-  constexpr int W = warpgroups_for<T, GATED, A8>();
+  constexpr int W = warpgroups_for<T, GATED, A8, WIDE>();
   constexpr int budget = (one_cta_per_sm(T, W) ? 226 : 110) * 1024;
   constexpr int fit =
       (budget - conv_bytes(W, stage_k(T, A8), A8) - (tma_tiles(T, A8) ? 8 * 8 : 0)) / stage_bytes(T, W, A8);
   return fit < 3 ? 3 : (fit > 6 ? 6 : fit);
 }
 
-template <int T, bool GATED, int MODE>
+template <int T, bool GATED, int MODE, bool WIDE = false>
 cudaError_t launch(const ParamsTma& p, int grid_rows, int grid_tiles, cudaStream_t stream) {
   constexpr bool A8 = MODE == kA8;
-  constexpr int W = warpgroups_for<T, GATED, A8>(), kStages = stages_for<T, GATED, A8>();
+  constexpr int W = warpgroups_for<T, GATED, A8, WIDE>(), kStages = stages_for<T, GATED, A8, WIDE>();
   // The stages, the scale pairs, the stages' mbarriers (TMA), alignment. Not a byte more for the smaller tiles: two
   // CTAs of 8-token tiles fill the 196 KB shared-memory carveout exactly, and 32 bytes more each (the next carveout,
   // 228 KB, leaves L1 28 KB instead of 60) made them 1.06x slower on an H200.
@@ -801,7 +809,7 @@ cudaError_t launch(const ParamsTma& p, int grid_rows, int grid_tiles, cudaStream
 }
 
 template <bool GATED, int MODE>
-cudaError_t launch_tile(const ParamsTma& p, int grid_rows, int grid_tiles, int tile, cudaStream_t stream) {
+cudaError_t launch_tile(const ParamsTma& p, int grid_rows, int grid_tiles, int tile, bool wide, cudaStream_t stream) {
   switch (tile) {
     case 8:
       return launch<8, GATED, MODE>(p, grid_rows, grid_tiles, stream);
@@ -812,6 +820,9 @@ cudaError_t launch_tile(const ParamsTma& p, int grid_rows, int grid_tiles, int t
     case 64:
       return launch<64, GATED, MODE>(p, grid_rows, grid_tiles, stream);
     case 128:
+      if constexpr (GATED && MODE != kA8) {
+        if (wide) return launch<128, GATED, MODE, true>(p, grid_rows, grid_tiles, stream);
+      }
       return launch<128, GATED, MODE>(p, grid_rows, grid_tiles, stream);
     case 256:  // (W4A8 stops at 128: 256 tokens' accumulators beside its tables spill)
       if constexpr (MODE == kA8)
@@ -840,9 +851,9 @@ cudaError_t encode_maps(ParamsTma& p, int rows, int tile, bool a8) {
 }
 
 template <int MODE>
-cudaError_t launch_act(const ParamsTma& p, int grid_rows, int grid_tiles, int tile, cudaStream_t stream) {
-  return p.act ? launch_tile<true, MODE>(p, grid_rows, grid_tiles, tile, stream)
-               : launch_tile<false, MODE>(p, grid_rows, grid_tiles, tile, stream);
+cudaError_t launch_act(const ParamsTma& p, int grid_rows, int grid_tiles, int tile, bool wide, cudaStream_t stream) {
+  return p.act ? launch_tile<true, MODE>(p, grid_rows, grid_tiles, tile, wide, stream)
+               : launch_tile<false, MODE>(p, grid_rows, grid_tiles, tile, wide, stream);
 }
 
 }  // namespace sm90_nvfp4
@@ -855,17 +866,18 @@ cudaError_t launch_act(const ParamsTma& p, int grid_rows, int grid_tiles, int ti
 // bound); rows: the rows of a (at least 1). K a multiple of 64, nw (and nw / 2 when gated) a multiple of 64, all
 // pointers 16-byte aligned. split_tile, tail_lo, tail_hi, tail: see Params (split_tile 0, or larger than tail_hi;
 // the launches of a split take the same split_tile, tiles of 32 or more, the first tail_lo 0 and the largest tail_hi,
-// each tail launch its own range).
+// each tail launch its own range). wide: the gated W4A16 128-token tile on four warpgroups (warpgroups_for), else 0.
 extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const void* scale, const float* gscale,
                                             int gscale_stride, const int32_t* counts, const int32_t* offsets, void* out,
                                             int out_f32, int num_experts, int rows, int capacity, int nw, int k,
                                             int act, float alpha, float limit, int tile, int wlayout, int split_tile,
-                                            int tail_lo, int tail_hi, int tail, const float* a_scale,
+                                            int tail_lo, int tail_hi, int tail, int wide, const float* a_scale,
                                             int a_scale_stride, void* stream) {
   using namespace fim::sm90_nvfp4;
   if (k % 64 || nw % 64 || (act && nw % 128) || capacity <= 0 || rows <= 0) return cudaErrorInvalidValue;
   if (wlayout < kLookup || wlayout > kA8 || (wlayout == kA8 && (a_scale == nullptr || a_scale_stride < 0)))
     return cudaErrorInvalidValue;
+  if (wide && (tile != 128 || !act || wlayout == kA8)) return cudaErrorInvalidValue;
   // (A split needs tiles of 32 tokens or more in every launch: the smaller ones' kernels take every row.)
   if (split_tile < 0 || (split_tile && (tile < 32 || tail_lo < 0 || tail_hi <= tail_lo || tail_hi >= split_tile)) ||
       (tail && !split_tile))
@@ -910,10 +922,10 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
   const int grid_tiles = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((bound + tile - 1) / tile, 65535)));
   switch (wlayout) {
     case kSplit:
-      return launch_act<kSplit>(p, grid_rows, grid_tiles, tile, s);
+      return launch_act<kSplit>(p, grid_rows, grid_tiles, tile, wide, s);
     case kA8:
-      return launch_act<kA8>(p, grid_rows, grid_tiles, tile, s);
+      return launch_act<kA8>(p, grid_rows, grid_tiles, tile, wide, s);
     default:
-      return launch_act<kLookup>(p, grid_rows, grid_tiles, tile, s);
+      return launch_act<kLookup>(p, grid_rows, grid_tiles, tile, wide, s);
   }
 }
