@@ -45,9 +45,12 @@ def make_case(
     share=True,
     device="cpu",
     layer_stride=False,
+    runs=False,
 ):
     """Queries, a paged cache and a block table for sequences of ``lens`` tokens, pages shuffled over the
-    pool; ``share``: the second sequence's first page is the first's (a shared prefix). Cache entries that no
+    pool (``runs``: in order, each sequence's pages a run of consecutive ids but for a few pages swapped with
+    others, so that some 64-token tiles are runs and some not); ``share``: the second sequence's first page is the
+    first's (a shared prefix). Cache entries that no
     sequence covers, and table entries past a sequence's pages, are poison (NaN rows, out-of-pool ids): a
     kernel that reads them gives NaN or faults. FP8 caches hold ``N(0, 1) / kv_scale``.
 
@@ -57,7 +60,13 @@ def make_case(
     batch = len(lens)
     pages_of = [max(cdiv(n, page), 1) for n in lens]
     num_pages = sum(pages_of) + 2
-    perm = torch.randperm(num_pages, generator=g).tolist()
+    if runs:
+        perm = list(range(num_pages))
+        for _ in range(max(2, num_pages // 128)):
+            i, j = torch.randint(0, num_pages, (2,), generator=g).tolist()
+            perm[i], perm[j] = perm[j], perm[i]
+    else:
+        perm = torch.randperm(num_pages, generator=g).tolist()
     max_pages = max(pages_of) + 1
     table = torch.full((batch, max_pages), 2**30, dtype=torch.int32)
     valid = torch.zeros(num_pages, page, dtype=torch.bool)

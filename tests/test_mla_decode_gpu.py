@@ -138,6 +138,49 @@ def test_fp8_narrow_without_images(rng, monkeypatch, page, split, heads, s_q, nu
         assert not torch.equal(got[True][0], got[False][0]), f"seed {seed}: the same output as the fp16 stages"
 
 
+def _tiles_by_kind(case, page) -> tuple[int, int]:
+    """The whole 64-token tiles of ``case`` whose pages' block-table entries are consecutive (runs), and the others."""
+    runs = others = 0
+    table = case["block_table"].cpu()
+    for b, n in enumerate(case["seq_lens"].tolist()):
+        for t0 in range(0, n - 63, 64):
+            entries = table[b, t0 // page : (t0 + 64 + page - 1) // page]
+            consecutive = torch.equal(entries - entries[0], torch.arange(len(entries), dtype=entries.dtype))
+            runs, others = runs + consecutive, others + (not consecutive)
+    return runs, others
+
+
+@pytest.mark.parametrize("page", [1, 16, 32])
+@pytest.mark.parametrize(
+    "cache, heads, s_q, split, backend",
+    [
+        (torch.bfloat16, 16, 1, False, "auto"),
+        (torch.bfloat16, 64, 2, True, "auto"),
+        (torch.float16, 128, 1, False, "auto"),
+        (FP8, 128, 1, False, "auto"),  # the producer warpgroup: a run tile as one bulk copy
+        (FP8, 33, 3, False, "auto"),
+        (FP8, 16, 1, False, "wide"),  # up to 32 rows on the 64-row kernel: consumer 1 copies
+        (FP8, 64, 1, True, "auto"),  # two tensors: no run tiles (not one contiguous range)
+    ],
+)
+def test_run_tiles_equal_token_rows(rng, monkeypatch, page, cache, heads, s_q, split, backend):
+    """Pages in order but for a few swapped ones (so that some whole tiles are runs of consecutive pages and some
+    not, the shared prefix page breaking one too): the 64-row kernel's run tiles (TMA boxes of the tile's 64 rows,
+    or one bulk copy) fill the same images as token rows, so the outputs are bit-equal; both against float64."""
+    seed, g = rng
+    q_dtype = torch.float16 if cache == torch.float16 else torch.bfloat16
+    case = make_case(g, MIX, s_q, heads, page, q_dtype, cache, split=split, runs=True, device=DEV)
+    runs, others = _tiles_by_kind(case, page)
+    assert runs > 0 and others > 0, (runs, others)
+    _backend(monkeypatch, backend, case)
+    got = {}
+    for run_tiles in (True, False):
+        monkeypatch.setattr(decode_sm90, "RUN_TILES", run_tiles)
+        got[run_tiles] = run_decode(case, SM_SCALE, num_sms=None)
+    assert_close(*got[True], *reference(case, SM_SCALE, device=DEV), q_dtype, f"seed {seed}", lse_tol=lse_tol(case))
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1]), f"seed {seed}"
+
+
 @pytest.mark.parametrize("page", [64, 128])
 @pytest.mark.parametrize("heads, s_q", [(16, 1), (32, 1), (7, 2)])
 def test_fp8_narrow_without_images_tma_equals_cp_async(rng, monkeypatch, page, heads, s_q):

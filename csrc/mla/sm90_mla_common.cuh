@@ -33,7 +33,8 @@ constexpr float kSlack = 8.f;              // log2 of how far P may exceed 1 bef
 
 struct Params {
   // TMA path only: the latent and rope pages as 3-D tensors {column, token in page, page}, boxes of 64 columns
-  // x min(page, 64) tokens, 128-byte swizzled (the images' layout).
+  // x min(page, 64) tokens, 128-byte swizzled (the images' layout). Run tiles of bf16/fp16 pages below 64 tokens
+  // (`runs`): boxes of 64 columns x page tokens x 64 / page pages.
   CUtensorMap map_ckv, map_kpe;
   const void* qn;   // [B, s_q, Hq, 512]
   const void* qp;   // [B, s_q, Hq, 64]
@@ -51,7 +52,11 @@ struct Params {
   int64_t o_b, o_s, o_h;
   int64_t l_b, l_s, l_h;
   int batch, rows, heads, s_q, page_shift, max_tokens, causal;
-  int tma;                // bf16/fp16: tiles by TMA (map_ckv, map_kpe); FP8 (narrow kernel, producer): by bulk copies
+  int tma;  // bf16/fp16: tiles by TMA (map_ckv, map_kpe); FP8 (narrow kernel, producer): by bulk copies
+  // The 64-row kernel where tiles come as cp.async token rows (pages below 64 tokens): a whole tile whose pages'
+  // block-table entries are consecutive (a run, as allocators hand out to a prompt's tokens) comes as a page-64 tile
+  // would, by TMA boxes through the run maps (bf16/fp16) or as one bulk copy (FP8, pages adjacent in the pool).
+  int runs;
   float qk_scale;         // sm_scale * log2(e)
   const float* kv_scale;  // FP8 pages: the dequantization factor on the device, or null for kv_scale_value
   float kv_scale_value;

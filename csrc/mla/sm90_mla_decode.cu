@@ -8,7 +8,8 @@
 // place as wgmma's MN-major B operand. The tiles come in two stages; the copies of tile i + 2 are issued as soon
 // as both consumers are done with tile i, by cp.async, one token row (1152 bytes) per warp step, so any page size
 // (1 included) loads the same way, or (bf16/fp16 pages where the host asks for it) by TMA boxes that one warp
-// issues. Who loads:
+// issues. Below 64 tokens a page, a whole tile whose pages' block-table entries are consecutive (a run: a pool's slots
+// handed out in order) comes as a page of 64 would, by TMA boxes or (FP8, adjacent pages) one bulk copy. Who loads:
 // - bf16/fp16 pages, and FP8 pages of up to kWsMinRows rows: consumer 1, between its products;
 // - FP8 pages of more rows: a third warpgroup, the producer (few registers), which also widens the FP8 tiles, so
 //   that neither consumer has a copy or conversion on its chain; a tile of the one-tensor cache comes as bulk
@@ -82,14 +83,77 @@ __device__ __forceinline__ void widen_tile(uint32_t stage, int t, int valid) {
   }
 }
 
+// A tile's block-table entries as the loading warpgroup's warps hold them: lane l those of the tile's tokens l and
+// 32 + l (0 from `hi` on), so that each warp holds all 64, tells a run from them alone (no barrier), and passes each
+// token row's entry to the lane that copies it. D of them, the tiles ahead (token rows of bf16/fp16 pages: looked
+// up two tiles before their copies, as at page 1 a tile's entries are 256 bytes no earlier tile touched, and a
+// lookup right before the copies put a DRAM read on the copier's path every tile; on an H200 the copying warps spent
+// a third of their time there). FP8 pages (the producer, whose registers a lookahead pushed into spills, 3-4% slower
+// at page 16) look up as they copy: D = 1, loaded just before.
+template <int D>
+struct TilePages {
+  int lo[D], hi[D];
+
+  __device__ __forceinline__ static int entry(const Params& p, const int32_t* bt_row, int tok, int end) {
+    return tok < end ? bt_row[tok >> p.page_shift] : 0;
+  }
+  __device__ __forceinline__ void load(int d, const Params& p, const int32_t* bt_row, int t0, int end, int lane) {
+    lo[d] = entry(p, bt_row, t0 + lane, end);
+    hi[d] = entry(p, bt_row, t0 + 32 + lane, end);
+  }
+  // A piece's first D tiles from token t0 on (tiles kTile apart).
+  __device__ __forceinline__ void start(const Params& p, const int32_t* bt_row, int t0, int end, int lane) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) load(d, p, bt_row, t0 + d * kTile, end, lane);
+  }
+  // The front tile (at t0): whether it is a run (p.runs: whole, t0 + 64 <= end, and its pages' entries consecutive
+  // from `first`, its first page), the same answer in every warp.
+  __device__ __forceinline__ bool run(const Params& p, int t0, int end, int lane, int& first) const {
+    first = __shfl_sync(0xffffffffu, lo[0], 0);
+    const int s = p.page_shift;
+    return t0 + kTile <= end &&
+           __all_sync(0xffffffffu, lo[0] == first + (lane >> s) && hi[0] == first + ((32 + lane) >> s));
+  }
+  // The front tile's rows this lane copies (token 16 warp + lane % 16, as look_up's), through its warp's shuffle.
+  __device__ __forceinline__ Rows rows(const Params& p, int t0, int end, int warp, int lane, int elem) const {
+    const int k = warp * 16 + (lane & 15);
+    const int page = __shfl_sync(0xffffffffu, warp < 2 ? lo[0] : hi[0], k & 31);
+    return rows_at(p, page, t0 + k, end, elem);
+  }
+  // The front tile done: the others move up, and the tile D on (at t0 + D * kTile) is looked up in its place.
+  __device__ __forceinline__ void advance(const Params& p, const int32_t* bt_row, int t0, int end, int lane) {
+#pragma unroll
+    for (int d = 0; d + 1 < D; ++d) {
+      lo[d] = lo[d + 1];
+      hi[d] = hi[d + 1];
+    }
+    load(D - 1, p, bt_row, t0 + D * kTile, end, lane);
+  }
+};
+
+// A run tile of bf16/fp16 pages by TMA, through the run maps: a box of 64 columns x the whole tile's 64 rows per
+// column block (9), issued by the copier warp's first lanes; every other thread of the loading warpgroup arrives on
+// `bar` (initialized for the 128 arrivals of token rows).
+__device__ __forceinline__ void tma_run_tile(const Params& p, int first, uint32_t stage, uint64_t* bar, bool copier,
+                                             int lane) {
+  if (copier) {
+    if (lane == 0) sm90_wgmma::bar_expect_tx(bar, kTile * kChunks * 16);
+    __syncwarp();
+    const bool once = read_once(p);
+    if (lane < 8) tile_box(stage + lane * kBlock, &p.map_ckv, bar, lane * 64, 0, first, once);
+    if (lane == 8) tile_box(stage + 8 * kBlock, &p.map_kpe, bar, 0, 0, first, once);
+  }
+  if (!copier || lane != 0) sm90_wgmma::bar_arrive(bar);
+}
+
 // The loading warpgroup: a tile into its stage, by TMA boxes (bf16/fp16) or bulk copies (FP8: one a tile, or with
-// PAGED one a page, for pages below 64 tokens), issued by one warp, or by cp.async token rows (the whole warpgroup).
-// With token rows of bf16/fp16 pages the tiles' block-table entries come from `ahead`, looked up two tiles before (a
-// piece's tiles are issued in order).
+// PAGED one a page, for pages below 64 tokens), issued by one warp, or by cp.async token rows (the whole warpgroup),
+// run tiles (p.runs) excepted. With token rows of bf16/fp16 pages the tiles' block-table entries come from `ahead`,
+// looked up two tiles before (a piece's tiles are issued in order).
 template <bool FP8, bool PAGED>
 __device__ __forceinline__ void issue_tile(const Params& p, const int32_t* bt_row, int t0, int hi, uint32_t stage,
                                            uint64_t* bar, bool tma, bool copier, int warp, int lane,
-                                           PagesAhead<2>& ahead) {
+                                           TilePages<2>& ahead) {
   if (tma) {
     if constexpr (FP8) {
       if constexpr (PAGED) {
@@ -102,12 +166,31 @@ __device__ __forceinline__ void issue_tile(const Params& p, const int32_t* bt_ro
     }
     return;
   }
+  int first;
   if constexpr (FP8) {
-    // FP8 pages (the producer, whose registers the lookahead pushed into spills, 3-4% slower at page 16) look up as
-    // they copy.
-    copy_rows_fp8(p, stage + kFp8Off, look_up(p, bt_row, t0, hi, warp, lane, 1), warp, lane);
+    TilePages<1> now;
+    now.load(0, p, bt_row, t0, hi, lane);
+    if (!PAGED && p.runs && now.run(p, t0, hi, lane, first)) {
+      // The tile's 64 rows, adjacent in the pool (the host's condition): one bulk copy, as from a page of 64.
+      if (copier && lane == 0) {
+        sm90_wgmma::bar_expect_tx(bar, kRaw);
+        tile_bulk(stage + kFp8Off, static_cast<const char*>(p.ckv) + static_cast<int64_t>(first) * p.ckv_p, kRaw, bar,
+                  false);
+      } else {
+        sm90_wgmma::bar_arrive(bar);
+      }
+      return;
+    }
+    copy_rows_fp8(p, stage + kFp8Off, now.rows(p, t0, hi, warp, lane, 1), warp, lane);
   } else {
-    copy_rows(p, stage, ahead.next(p, bt_row, t0, hi, warp, lane, 2), warp, lane);
+    const bool run = p.runs && ahead.run(p, t0, hi, lane, first);
+    const Rows rows = ahead.rows(p, t0, hi, warp, lane, 2);
+    ahead.advance(p, bt_row, t0, hi, lane);
+    if (run) {
+      tma_run_tile(p, first, stage, bar, copier, lane);
+      return;
+    }
+    copy_rows(p, stage, rows, warp, lane);
   }
   cp_async_arrive(bar);
 }
@@ -141,10 +224,10 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
 template <typename T, bool FP8, bool PAGED, int CTA>
 __device__ __forceinline__ void begin_piece(const Params& p, const Piece& pc, const int32_t* bt_row, uint32_t base,
                                             uint64_t* full, uint64_t* qbar, uint32_t tiles_done, int b, int rb,
-                                            bool loads, bool tma, bool copier, int tid, PagesAhead<2>& ahead) {
+                                            bool loads, bool tma, bool copier, int tid, TilePages<2>& ahead) {
   asm volatile("bar.sync %0, %1;" ::"r"(kBarPiece), "n"(CTA) : "memory");
   const int warp = (tid & 127) >> 5, lane = tid & 31;
-  if (!FP8 && loads && !tma) ahead.start(p, bt_row, pc.tok_lo, pc.tok_hi, warp, lane);
+  if (!FP8 && loads && !tma) ahead.start(p, bt_row, pc.tok_lo, pc.tok_hi, lane);
   for (int i = 0; loads && i < 2 && i < pc.ntiles; ++i) {
     const uint32_t s = (tiles_done + i) & 1;
     issue_tile<FP8, PAGED>(p, bt_row, pc.tok_lo + i * kTile, pc.tok_hi, base + (1 + s) * kImage, &full[s], tma, copier,
@@ -216,8 +299,8 @@ __global__ void __launch_bounds__(WS ? kThreadsWs : kThreads, 1) mla_decode_kern
   int cursor = sc.begin, b = sc.first;
   uint32_t tiles_done = 0;  // tiles this CTA consumed so far: the stages' and barriers' phases
   uint32_t pieces = 0;
-  uint32_t tails = 0;   // partial last tiles so far (TMA): the `tail` barrier's phase
-  PagesAhead<2> ahead;  // token rows: the next two tiles' block-table entries (issue_tile)
+  uint32_t tails = 0;  // partial last tiles so far (TMA): the `tail` barrier's phase
+  TilePages<2> ahead;  // token rows: the next two tiles' block-table entries (issue_tile)
 
   if (WS && wg == 2) {
     // The producer: tile i + 1 is prepared while the consumers work on tile i, and tile i + 2 issued into tile
@@ -481,15 +564,17 @@ int launch(const Params& p, int row_blocks, int programs, cudaStream_t stream) {
 }
 
 // One of the page tensors (ckv or kpe: `cols` columns, strides in elements) as the 3-D tensor {column, token in
-// page, page} of 16-bit elements, in boxes of 64 columns x min(page, 64) tokens.
+// page, page} of 16-bit elements, in boxes of 64 columns x min(page, 64) tokens (runs: x 64 / page pages).
 bool encode_pages(CUtensorMap* map, const void* base, int cols, int page, int64_t num_pages, int64_t page_stride,
-                  int64_t token_stride) {
+                  int64_t token_stride, bool runs) {
   sm90::EncodeTiled fn = sm90::tensor_map_encoder();
   if (fn == nullptr) return false;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(page),
                               static_cast<cuuint64_t>(num_pages)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(token_stride) * 2, static_cast<cuuint64_t>(page_stride) * 2};
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(page < kTile ? page : kTile), 1};
+  // A page's tokens (at most a tile's), or with `runs` (pages below a tile) a whole tile of consecutive pages.
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(page < kTile ? page : kTile),
+                             static_cast<cuuint32_t>(runs ? kTile / page : 1)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -512,6 +597,9 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
                         int max_tokens, int causal, float qk_scale, int fp16, int fp8, const float* kv_scale,
                         float kv_scale_value, int narrow, int64_t num_pages, int tma, int programs,
                         cudaStream_t stream) {
+  // tma: bit 0 the tiles by TMA boxes or bulk copies; bit 1 run tiles (Params::runs) where tiles come as token rows.
+  const bool runs = tma & 2;
+  tma &= 1;
   fim::sm90_mla::Params p{};
   p.qn = qn;
   p.qp = qp;
@@ -558,6 +646,11 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
   }
   const int row_blocks = (p.rows + fim::sm90_mla::kRows - 1) / fim::sm90_mla::kRows;
   using fim::sm90_mla::launch;
+  // FP8 run tiles as one bulk copy: a tile's 64 rows of consecutive pages lie contiguous where the one-tensor cache's
+  // pages are adjacent (and 16-byte aligned, as bulk copies need).
+  p.runs = fp8 && runs && page < fim::sm90_mla::kTile && p.ckv_t == 576 && p.kpe_t == 576 && p.kpe_p == p.ckv_p &&
+           p.ckv_p == 576LL * page && reinterpret_cast<uintptr_t>(ckv) % 16 == 0 &&
+           static_cast<const char*>(kpe) == static_cast<const char*>(ckv) + 512;
   if (fp8 && p.rows > fim::sm90_mla::kWsMinRows) {
     p.tma = bulk;
     // Pages below 64 tokens: a bulk copy per page, in their own instance (the per-page loop, compiled into the
@@ -574,8 +667,12 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
                 : launch<false, true, false>(p, row_blocks, programs, stream);
   }
   // The TMA path where its descriptors encode (else the cp.async copies, which take any layout).
-  p.tma = tma && fim::sm90_mla::encode_pages(&p.map_ckv, ckv, 512, page, num_pages, p.ckv_p, p.ckv_t) &&
-          fim::sm90_mla::encode_pages(&p.map_kpe, kpe, 64, page, num_pages, p.kpe_p, p.kpe_t);
+  p.tma = tma && fim::sm90_mla::encode_pages(&p.map_ckv, ckv, 512, page, num_pages, p.ckv_p, p.ckv_t, false) &&
+          fim::sm90_mla::encode_pages(&p.map_kpe, kpe, 64, page, num_pages, p.kpe_p, p.kpe_t, false);
+  // Else, pages below a tile: the run maps (whole tiles of consecutive pages) for run tiles.
+  p.runs = !p.tma && runs && page < fim::sm90_mla::kTile &&
+           fim::sm90_mla::encode_pages(&p.map_ckv, ckv, 512, page, num_pages, p.ckv_p, p.ckv_t, true) &&
+           fim::sm90_mla::encode_pages(&p.map_kpe, kpe, 64, page, num_pages, p.kpe_p, p.kpe_t, true);
   return fp16 ? launch<true, false, false>(p, row_blocks, programs, stream)
               : launch<false, false, false>(p, row_blocks, programs, stream);
 }

@@ -1,6 +1,7 @@
 """The Hopper paged MLA decode written in CUDA, for bf16/fp16 or FP8 pages of any page size, tiles of 64 tokens
 copied with cp.async one token row at a time (so page 1 loads like page 64; bf16/fp16 pages of ``TMA_MIN_PAGE``
-tokens and more by TMA boxes instead) and read by wgmma in shared memory (FP8 tiles widened to fp16 there first,
+tokens and more by TMA boxes instead, and below that, in the 64-row kernel, tiles of consecutive pages:
+``RUN_TILES``) and read by wgmma in shared memory (FP8 tiles widened to fp16 there first,
 the queries scaled into fp16; or, for FP8 pages under bf16 queries, multiplied as they landed). Three kernels:
 
 - ``csrc/mla/sm90_mla_decode.cu``: 64 (new token, head) rows per CTA, two warpgroups sharing the 512 output
@@ -73,6 +74,10 @@ TMA_MIN_PAGE = 64
 # in both kernels; one a page below that, in the 64-row kernel only, the narrow one keeping cp.async there), else
 # cp.async token rows; 0 keeps cp.async.
 BULK_MIN_PAGE = 16
+# Below those (token rows), a whole tile whose pages' block-table entries are consecutive (a run: the slots a pool
+# hands out to one prompt's tokens) comes as at page 64, by TMA boxes of the tile's 64 rows (bf16/fp16) or one bulk
+# copy (FP8, the one-tensor cache with adjacent pages); the 64-row kernel only. False keeps token rows for every tile.
+RUN_TILES = True
 LOG2E = 1.4426950408889634
 
 _vp, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -146,7 +151,7 @@ def launch(q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_
         1.0 if kv_scale is None or isinstance(kv_scale, torch.Tensor) else float(kv_scale),
         (3 if NARROW_RS else NARROW_STAGES) if ckv.dtype == FP8 and s_q * heads <= NARROW_MAX_ROWS else 0,
         ckv.shape[0],
-        int(0 < (BULK_MIN_PAGE if ckv.dtype == FP8 else TMA_MIN_PAGE) <= page),
+        int(0 < (BULK_MIN_PAGE if ckv.dtype == FP8 else TMA_MIN_PAGE) <= page) | (2 if RUN_TILES else 0),
         num_programs,
         stream_of(q_nope),
     )
