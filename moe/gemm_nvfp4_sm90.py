@@ -101,7 +101,7 @@ def tail_tiles_for(tile: int, capacity: int | None) -> tuple[int, ...]:
 # The gated 128-token tile (W4A16) on four warpgroups instead of two: 128 output columns a CTA instead of 64, and
 # each activation stage read for 256 weight rows. Where both grids fill the GPU in as many waves that is faster (on
 # an H200, 2026-11-28, masked groups of 65-128 rows: 1.07-1.20x at 1024-2048 output columns of 8-128 experts and
-# 1.07-1.18x at 768 columns of 64-128 experts; fused_moe of DeepSeek-V3 1.05-1.07x, docs/perf.md), but its CTAs take
+# 1.07-1.18x at 768 columns of 64-128 experts; fused_moe of DeepSeek-V3 1.04-1.07x, docs/perf.md), but its CTAs take
 # twice as long, so where they fill fewer whole waves two warpgroups win: 768 columns of 32 experts (192 CTAs
 # against 384, on 132 SMs) 0.91x, of 8 experts (48 against 96) 0.65x. Four where their waves, each counted
 # 1 / WIDE_T128_GAIN as long as two of the two-warpgroup grid's, take no longer (it orders all ten shapes measured).
