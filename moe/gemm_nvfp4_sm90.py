@@ -177,8 +177,9 @@ def launch(
     rows = a.shape[0]
     for run_tile, tail_lo, tail_hi, tail in launches:
         wide = False
-        if run_tile == 128 and act != ACT_CODES[None] and mode != 2:
-            # The kernel's grid along a column block (its entry point): CTA rows (one per group, or per row where
+        if run_tile == 128 and act != ACT_CODES[None] and a_scale is None:
+            # The kernel's grid along a column block, as its entry point computes it (a twin of that code: the
+            # rule needs the SM count, which the entry does not take): CTA rows (one per group, or per row where
             # contiguous rows are fewer than groups) times the tiles along a group its mean rows (masked: the
             # capacity) fill.
             grid_rows = rows if offsets is not None and rows < num_experts else num_experts

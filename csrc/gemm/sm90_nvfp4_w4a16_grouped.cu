@@ -916,7 +916,8 @@ extern "C" int fim_sm90_nvfp4_w4a16_grouped(const void* a, const void* w, const 
   const int grid_rows = row_map ? rows : num_experts;
   // CTAs per (column block, expert) along the tokens, each taking every grid_tiles-th tile of its group: as many as
   // an expert's mean rows fill (masked: the capacity), so that balanced prefill groups spread over the whole GPU
-  // while the CTAs of small or uneven groups loop instead of idling.
+  // while the CTAs of small or uneven groups loop instead of idling. (moe/gemm_nvfp4_sm90.py counts the same grid for
+  // its warpgroup rule: change both.)
   const int64_t mean_rows = offsets ? (static_cast<int64_t>(rows) + num_experts - 1) / num_experts : capacity;
   const int64_t bound = std::min<int64_t>(tail ? tail_hi : mean_rows, capacity);
   const int grid_tiles = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((bound + tile - 1) / tile, 65535)));

@@ -85,11 +85,10 @@ __device__ __forceinline__ void widen_tile(uint32_t stage, int t, int valid) {
 
 // A tile's block-table entries as the loading warpgroup's warps hold them: lane l those of the tile's tokens l and
 // 32 + l (0 from `hi` on), so that each warp holds all 64, tells a run from them alone (no barrier), and passes each
-// token row's entry to the lane that copies it. D of them, the tiles ahead (token rows of bf16/fp16 pages: looked
-// up two tiles before their copies, as at page 1 a tile's entries are 256 bytes no earlier tile touched, and a
-// lookup right before the copies put a DRAM read on the copier's path every tile; on an H200 the copying warps spent
-// a third of their time there). FP8 pages (the producer, whose registers a lookahead pushed into spills, 3-4% slower
-// at page 16) look up as they copy: D = 1, loaded just before.
+// token row's entry to the lane that copies it. D of them, the tiles ahead: token rows of bf16/fp16 pages look them
+// up two tiles before their copies, for the reason PagesAhead gives (sm90_mla_common.cuh, whose one entry a lane the
+// narrow kernel keeps); FP8 pages (the producer, whose registers a lookahead pushed into spills, 3-4% slower at page
+// 16) look up as they copy: D = 1, loaded just before.
 template <int D>
 struct TilePages {
   int lo[D], hi[D];
@@ -171,7 +170,8 @@ __device__ __forceinline__ void issue_tile(const Params& p, const int32_t* bt_ro
     TilePages<1> now;
     now.load(0, p, bt_row, t0, hi, lane);
     if (!PAGED && p.runs && now.run(p, t0, hi, lane, first)) {
-      // The tile's 64 rows, adjacent in the pool (the host's condition): one bulk copy, as from a page of 64.
+      // The tile's 64 rows, adjacent in the pool (the host's condition): one bulk copy, as from a page of 64 (not by
+      // bulk_raw, which reads the first entry again: the producer spilled 12 bytes more with it).
       if (copier && lane == 0) {
         sm90_wgmma::bar_expect_tx(bar, kRaw);
         tile_bulk(stage + kFp8Off, static_cast<const char*>(p.ckv) + static_cast<int64_t>(first) * p.ckv_p, kRaw, bar,
