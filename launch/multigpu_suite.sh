@@ -6,6 +6,7 @@
 #
 # Every step has its own time limit (STEP_TIMEOUT_S scales them), so one that hangs costs its limit and the
 # rest still run; the exit status is nonzero if any step failed. Logs: LOGDIR/*.txt, JSON results LOGDIR/*.json.
+# KERNELS="comm probe ..." builds only those kernel families up front (default: all; the rest build on first use).
 set -uo pipefail
 LOG=${1:?usage: multigpu_suite.sh LOGDIR tests|bench}
 STAGE=${2:?usage: multigpu_suite.sh LOGDIR tests|bench}
@@ -46,7 +47,9 @@ fi
 { date -u; nvidia-smi -L; nvidia-smi topo -m; flashinfer-moe env; } >"$LOG/env.txt" 2>&1
 head -n 20 "$LOG/env.txt"
 step "jit build"
-run 300 jit flashinfer-moe build
+build_args=()
+for k in ${KERNELS:-}; do build_args+=(--kernel "$k"); done
+run 300 jit flashinfer-moe build "${build_args[@]}"
 
 case "$STAGE" in
   tests)
