@@ -161,12 +161,18 @@ def _tiles_by_kind(case, page) -> tuple[int, int]:
         (FP8, 33, 3, False, "auto"),
         (FP8, 16, 1, False, "wide"),  # up to 32 rows on the 64-row kernel: consumer 1 copies
         (FP8, 64, 1, True, "auto"),  # two tensors: no run tiles (not one contiguous range)
+        (FP8, 16, 1, False, "auto"),  # the narrow kernel without fp16 images: pages 16, 32 by 16-row TMA boxes
+        (FP8, 7, 3, False, "auto"),  # the same, 32 rows (21 used)
+        (FP8, 16, 2, True, "auto"),  # the same, two tensors: token rows
     ],
 )
-def test_run_tiles_equal_token_rows(rng, monkeypatch, page, cache, heads, s_q, split, backend):
+@pytest.mark.parametrize("num_sms", [None, 3])
+def test_run_tiles_equal_token_rows(rng, monkeypatch, page, cache, heads, s_q, split, backend, num_sms):
     """Pages in order but for a few swapped ones (so that some whole tiles are runs of consecutive pages and some
-    not, the shared prefix page breaking one too): the 64-row kernel's run tiles (TMA boxes of the tile's 64 rows,
-    or one bulk copy) fill the same images as token rows, so the outputs are bit-equal; both against float64."""
+    not, the shared prefix page breaking one too): run tiles (TMA boxes of the tile's 64 rows, or one bulk copy; in
+    the narrow FP8 kernel at pages 16 and 32, a warp's 16 rows by TMA boxes, beside token rows where a sequence ends)
+    fill the same images as token rows, so the outputs are bit-equal; both against float64. Planned for every SM or
+    for 3 (each CTA then walks many sequences, so the stages' barriers carry across pieces)."""
     seed, g = rng
     q_dtype = torch.float16 if cache == torch.float16 else torch.bfloat16
     case = make_case(g, MIX, s_q, heads, page, q_dtype, cache, split=split, runs=True, device=DEV)
@@ -176,7 +182,7 @@ def test_run_tiles_equal_token_rows(rng, monkeypatch, page, cache, heads, s_q, s
     got = {}
     for run_tiles in (True, False):
         monkeypatch.setattr(decode_sm90, "RUN_TILES", run_tiles)
-        got[run_tiles] = run_decode(case, SM_SCALE, num_sms=None)
+        got[run_tiles] = run_decode(case, SM_SCALE, num_sms=num_sms)
     assert_close(*got[True], *reference(case, SM_SCALE, device=DEV), q_dtype, f"seed {seed}", lse_tol=lse_tol(case))
     assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1]), f"seed {seed}"
 

@@ -34,7 +34,8 @@ constexpr float kSlack = 8.f;              // log2 of how far P may exceed 1 bef
 struct Params {
   // TMA path only: the latent and rope pages as 3-D tensors {column, token in page, page}, boxes of 64 columns
   // x min(page, 64) tokens, 128-byte swizzled (the images' layout). Run tiles of bf16/fp16 pages below 64 tokens
-  // (`runs`): boxes of 64 columns x page tokens x 64 / page pages.
+  // (`runs`): boxes of 64 columns x page tokens x 64 / page pages. The narrow kernel without fp16 images (FP8): map_ckv
+  // alone, over bytes, as encode_fp8_tiles makes it.
   CUtensorMap map_ckv, map_kpe;
   const void* qn;   // [B, s_q, Hq, 512]
   const void* qp;   // [B, s_q, Hq, 64]
@@ -53,9 +54,11 @@ struct Params {
   int64_t l_b, l_s, l_h;
   int batch, rows, heads, s_q, page_shift, max_tokens, causal;
   int tma;  // bf16/fp16: tiles by TMA (map_ckv, map_kpe); FP8 (narrow kernel, producer): by bulk copies
-  // The 64-row kernel where tiles come as cp.async token rows (pages below 64 tokens): a whole tile whose pages'
+  // Where tiles come as cp.async token rows (pages below 64 tokens): in the 64-row kernel, a whole tile whose pages'
   // block-table entries are consecutive (a run, as allocators hand out to a prompt's tokens) comes as a page-64 tile
-  // would, by TMA boxes through the run maps (bf16/fp16) or as one bulk copy (FP8, pages adjacent in the pool).
+  // would, by TMA boxes through the run maps (bf16/fp16) or as one bulk copy (FP8, pages adjacent in the pool). The
+  // narrow kernel without fp16 images (FP8, pages of 16 and 32 tokens): each copying warp's 16 rows, which lie in one
+  // page, by TMA boxes.
   int runs;
   float qk_scale;         // sm_scale * log2(e)
   const float* kv_scale;  // FP8 pages: the dequantization factor on the device, or null for kv_scale_value
@@ -68,8 +71,10 @@ int launch_narrow(const Params& p, bool fp16, int stages, int programs, cudaStre
 
 // The narrow kernel without fp16 images (sm90_mla_decode_narrow_rs.cu): bf16 queries, FP8 pages (latent and rope),
 // up to 32 rows; tiles by TMA where p.tma (through p.map_ckv as encode_fp8_tiles makes it for the one-tensor cache,
-// pages of 64 tokens and more), else by cp.async token rows; returns a cudaError_t code.
-bool encode_fp8_tiles(CUtensorMap* map, const void* base, int page, int64_t num_pages, int64_t page_stride);
+// pages of 64 tokens and more), else by cp.async token rows or, where p.runs (pages of 16 and 32 tokens), each
+// copying warp's 16 rows (one page's) by TMA through the map encode_fp8_tiles makes with `runs`; returns a cudaError_t
+// code.
+bool encode_fp8_tiles(CUtensorMap* map, const void* base, int page, int64_t num_pages, int64_t page_stride, bool runs);
 int launch_narrow_rs(const Params& p, int programs, cudaStream_t stream);
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -639,7 +639,14 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
     // narrow 3: for bf16 queries the kernel without fp16 images (its tiles by TMA where its map encodes, else by
     // cp.async token rows); fp16 queries take two fp16 stages.
     if (narrow == 3 && !fp16) {
-      p.tma = p.tma && fim::sm90_mla::encode_fp8_tiles(&p.map_ckv, ckv, page, num_pages, p.ckv_p);
+      p.tma = p.tma && fim::sm90_mla::encode_fp8_tiles(&p.map_ckv, ckv, page, num_pages, p.ckv_p, false);
+      // Pages of 16 and 32 tokens, one-tensor cache: a copying warp's 16 rows (one page's) by TMA boxes (16-byte
+      // aligned base and strides). Below 16 tokens a page, a warp's rows whose pages are consecutive would come the
+      // same way, but telling them by a vote cost page 1's shuffled pools 1.04-1.11x (an H200): token rows there.
+      p.runs = runs && page >= 16 && page < fim::sm90_mla::kTile && p.ckv_t == 576 && p.kpe_t == 576 &&
+               p.kpe_p == p.ckv_p && p.ckv_p % 16 == 0 && reinterpret_cast<uintptr_t>(ckv) % 16 == 0 &&
+               static_cast<const char*>(kpe) == static_cast<const char*>(ckv) + 512 &&
+               fim::sm90_mla::encode_fp8_tiles(&p.map_ckv, ckv, page, num_pages, p.ckv_p, true);
       return fim::sm90_mla::launch_narrow_rs(p, programs, stream);
     }
     return fim::sm90_mla::launch_narrow(p, fp16, narrow == 3 ? 2 : narrow, programs, stream);

@@ -500,7 +500,9 @@ __device__ __forceinline__ void score_cols(const Params& p, const Sched& sc, flo
   }
 }
 
-template <int N>
+// BOXES: p.runs (pages of 16 and 32 tokens), in its own instance: with the branch compiled in, the token rows'
+// copy loop ran 1.03-1.09x slower at page 1 (an H200), the branch never taken.
+template <int N, bool BOXES>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const __grid_constant__ Params p) {
   using T = __nv_bfloat16;
   using L = Layout<N>;
@@ -552,7 +554,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
     if (p.tma && t != 0) return;
     // The copying warpgroup runs ahead through the pieces, bounded by the free buffers: by TMA (one thread; a tile's
     // 64 tokens lie in one page, and rows past the sequence's end come as the page holds them), or by cp.async token
-    // rows (any page size and layout; rows past the end read zeros), warp w copying tokens 16 w .. 16 w + 15.
+    // rows (any page size and layout; rows past the end read zeros), warp w copying tokens 16 w .. 16 w + 15, or with
+    // p.runs (pages of 16 and 32) the same rows by TMA boxes, which lie in one page.
     uint32_t g = 0;
     for (int cursor = sc.begin, b = sc.first; cursor < sc.end; ++b) {
       const Piece pc = sc.piece(p, b, cursor);
@@ -571,8 +574,29 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
           tile_box(dst + 4 * kBlock, &p.map_ckv, &full[s], kRopeCol, in_page, pg, true);
           continue;
         }
+        // Pages of 16 and 32 tokens (p.runs): a warp's 16 rows lie in one page, whose entry its lane 0 holds.
+        const int tok = t0 + warp * 16;
+        const bool boxes = BOXES && tok + 16 <= tok_hi;
+        const int pg = boxes ? __shfl_sync(0xffffffffu, ahead.page[0], 0) : 0;
         if (g >= kStages) bar_wait(&empty[s], ((g - kStages) / kStages) & 1);
-        copy_rows_swizzled(p, dst, ahead.next(p, bt_row, t0, tok_hi, warp, lane, 1), warp, lane);
+        const Rows rows = ahead.next(p, bt_row, t0, tok_hi, warp, lane, 1);
+        if (boxes) {
+          // `full` counts the 128 arrivals of token rows: this warp's lane 0 carries its rows' bytes.
+          if (lane == 0) {
+            const uint32_t rows_dst = dst + warp * 16 * 128;
+            const int in_page = tok & ((1 << p.page_shift) - 1);
+            sm90_wgmma::bar_expect_tx(&full[s], 5 * 16 * 128);
+#pragma unroll
+            for (int kb = 0; kb < 4; ++kb) {
+              tile_box(rows_dst + kb * kBlock, &p.map_ckv, &full[s], kb * 128, in_page, pg, true);
+            }
+            tile_box(rows_dst + 4 * kBlock, &p.map_ckv, &full[s], kRopeCol, in_page, pg, true);
+          } else {
+            sm90_wgmma::bar_arrive(&full[s]);
+          }
+          continue;
+        }
+        copy_rows_swizzled(p, dst, rows, warp, lane);
         cp_async_arrive(&full[s]);
       }
       cursor = pc.piece_end;
@@ -681,18 +705,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
 
 #else
 
-template <int N>
+template <int N, bool BOXES>
 __global__ void mla_decode_narrow_rs_kernel(const __grid_constant__ Params p) {}
 
 #endif
 
-template <int N>
+template <int N, bool BOXES>
 int launch_t(const Params& p, int programs, cudaStream_t stream) {
   constexpr int bytes = Layout<N>::bytes;
   static_assert(bytes <= 227 * 1024, "shared memory");
-  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_narrow_rs_kernel<N>>(bytes);
+  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_narrow_rs_kernel<N, BOXES>>(bytes);
   if (err != cudaSuccess) return static_cast<int>(err);
-  mla_decode_narrow_rs_kernel<N><<<dim3(1, programs), kThreads, bytes, stream>>>(p);
+  mla_decode_narrow_rs_kernel<N, BOXES><<<dim3(1, programs), kThreads, bytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -700,13 +724,14 @@ int launch_t(const Params& p, int programs, cudaStream_t stream) {
 
 // The pages as the 3-D tensor {byte, token in page, page} of the one-tensor FP8 cache (rows of 576 bytes), in boxes
 // of 128 bytes x 64 tokens, 128-byte swizzled.
-bool encode_fp8_tiles(CUtensorMap* map, const void* base, int page, int64_t num_pages, int64_t page_stride) {
+bool encode_fp8_tiles(CUtensorMap* map, const void* base, int page, int64_t num_pages, int64_t page_stride, bool runs) {
   sm90::EncodeTiled fn = sm90::tensor_map_encoder();
-  if (fn == nullptr || page < kTile) return false;
+  if (fn == nullptr || (runs ? page < 16 || page >= kTile : page < kTile)) return false;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kChunks * 8), static_cast<cuuint64_t>(page),
                               static_cast<cuuint64_t>(num_pages)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kChunks * 8), static_cast<cuuint64_t>(page_stride)};
-  const cuuint32_t box[3] = {128, static_cast<cuuint32_t>(kTile), 1};
+  // 64 tokens of one page, or with `runs` (pages of 16 and 32 tokens) a copying warp's 16 rows, which lie in one page.
+  const cuuint32_t box[3] = {128, static_cast<cuuint32_t>(runs ? 16 : kTile), 1};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -714,7 +739,9 @@ bool encode_fp8_tiles(CUtensorMap* map, const void* base, int page, int64_t num_
 }
 
 int launch_narrow_rs(const Params& p, int programs, cudaStream_t stream) {
-  return p.rows <= 16 ? narrow_rs::launch_t<16>(p, programs, stream) : narrow_rs::launch_t<32>(p, programs, stream);
+  using narrow_rs::launch_t;
+  if (p.runs) return p.rows <= 16 ? launch_t<16, true>(p, programs, stream) : launch_t<32, true>(p, programs, stream);
+  return p.rows <= 16 ? launch_t<16, false>(p, programs, stream) : launch_t<32, false>(p, programs, stream);
 }
 
 }  // namespace sm90_mla

@@ -1,7 +1,7 @@
 """The Hopper paged MLA decode written in CUDA, for bf16/fp16 or FP8 pages of any page size, tiles of 64 tokens
 copied with cp.async one token row at a time (so page 1 loads like page 64; bf16/fp16 pages of ``TMA_MIN_PAGE``
-tokens and more by TMA boxes instead, and below that, in the 64-row kernel, tiles of consecutive pages:
-``RUN_TILES``) and read by wgmma in shared memory (FP8 tiles widened to fp16 there first,
+tokens and more by TMA boxes instead, and below that tiles of consecutive pages, or in the narrow FP8 kernel
+at pages of 16 and 32 tokens a copying warp's 16 rows: ``RUN_TILES``) and read by wgmma in shared memory (FP8 tiles widened to fp16 there first,
 the queries scaled into fp16; or, for FP8 pages under bf16 queries, multiplied as they landed). Three kernels:
 
 - ``csrc/mla/sm90_mla_decode.cu``: 64 (new token, head) rows per CTA, two warpgroups sharing the 512 output
@@ -75,8 +75,10 @@ TMA_MIN_PAGE = 64
 # cp.async token rows; 0 keeps cp.async.
 BULK_MIN_PAGE = 16
 # Below those (token rows), a whole tile whose pages' block-table entries are consecutive (a run: the slots a pool
-# hands out to one prompt's tokens) comes as at page 64, by TMA boxes of the tile's 64 rows (bf16/fp16) or one bulk
-# copy (FP8, the one-tensor cache with adjacent pages); the 64-row kernel only. False keeps token rows for every tile.
+# hands out to one prompt's tokens) comes as at page 64, in the 64-row kernel: by TMA boxes of the tile's 64 rows
+# (bf16/fp16 pages) or one bulk copy (FP8, the one-tensor cache with adjacent pages). The narrow kernel for bf16
+# queries takes, at pages of 16 and 32 tokens (one-tensor cache), each copying warp's 16 rows, which lie in one page,
+# by TMA boxes, on any pool. False keeps token rows for every tile.
 RUN_TILES = True
 LOG2E = 1.4426950408889634
 
