@@ -11,12 +11,13 @@
 //
 // Three warpgroups. The copying one (its registers given to the others) brings each tile into one of five buffers as
 // a 128-byte swizzled [5 column blocks][64 rows][128 bytes] image (latent columns 0-511, then 448-575 for the rope): by
-// TMA from one thread where the one-tensor cache's pages hold whole tiles, else by cp.async token rows. The scoring
-// one computes the scores and the online softmax and hands P^T and the rescale factors to the output warpgroup
-// through two slots (four at 32 rows). The output warpgroup reads the tile's latent columns with ldmatrix.trans
-// (tokens along wgmma's K side), widens them to fp16 in registers (E4M3 -> fp16 is exact) and accumulates the output,
-// then frees the tile and the slot, so the scoring works on tile i + 1 while the output works on tile i (score_cols at
-// 16 rows, score_rows at 32). Same schedule, workspace and combine as the other decode kernels.
+// TMA from one thread where the one-tensor cache's pages hold whole tiles, by TMA from each warp's lane 0 for its 16
+// rows at pages of 16 and 32 tokens (one-tensor cache), else by cp.async token rows. The scoring one computes the
+// scores and the online softmax and hands P^T and the rescale factors to the output warpgroup through two slots (four
+// at 32 rows). The output warpgroup reads the tile's latent columns with ldmatrix.trans (tokens along wgmma's K side),
+// widens them to fp16 in registers (E4M3 -> fp16 is exact) and accumulates the output, then frees the tile and the
+// slot, so the scoring works on tile i + 1 while the output works on tile i (score_cols at 16 rows, score_rows at 32).
+// Same schedule, workspace and combine as the other decode kernels.
 #include "mla/sm90_mla_common.cuh"
 
 namespace fim {

@@ -1,8 +1,9 @@
 """The Hopper paged MLA decode written in CUDA, for bf16/fp16 or FP8 pages of any page size, tiles of 64 tokens
 copied with cp.async one token row at a time (so page 1 loads like page 64; bf16/fp16 pages of ``TMA_MIN_PAGE``
 tokens and more by TMA boxes instead, and below that tiles of consecutive pages, or in the narrow FP8 kernel
-at pages of 16 and 32 tokens a copying warp's 16 rows: ``RUN_TILES``) and read by wgmma in shared memory (FP8 tiles widened to fp16 there first,
-the queries scaled into fp16; or, for FP8 pages under bf16 queries, multiplied as they landed). Three kernels:
+at pages of 16 and 32 tokens a copying warp's 16 rows: ``RUN_TILES``) and read by wgmma in shared memory (FP8
+tiles widened to fp16 there first, the queries scaled into fp16; or, for FP8 pages under bf16 queries, multiplied
+as they landed). Three kernels:
 
 - ``csrc/mla/sm90_mla_decode.cu``: 64 (new token, head) rows per CTA, two warpgroups sharing the 512 output
   columns; bf16/fp16 pages, and FP8 pages of more than ``NARROW_MAX_ROWS`` rows (these with a third warpgroup that
