@@ -626,11 +626,12 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
   p.kv_scale = kv_scale;
   p.kv_scale_value = kv_scale_value;
   const int page = 1 << page_shift;
-  // FP8: bulk copies where a page is whole token rows of 576 contiguous bytes (the one-tensor cache), 16-byte
-  // aligned as bulk copies need.
-  const bool bulk = tma && p.ckv_t == 576 && p.kpe_t == 576 && p.kpe_p == p.ckv_p && p.ckv_p % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(ckv) % 16 == 0 &&
-                    static_cast<const char*>(kpe) == static_cast<const char*>(ckv) + 512;
+  // The one-tensor cache (pages of whole 576-byte token rows, kpe the last 64 columns of ckv's), 16-byte aligned as
+  // bulk copies and TMA need: FP8 pages come by bulk copies there.
+  const bool one_tensor = p.ckv_t == 576 && p.kpe_t == 576 && p.kpe_p == p.ckv_p && p.ckv_p % 16 == 0 &&
+                          reinterpret_cast<uintptr_t>(ckv) % 16 == 0 &&
+                          static_cast<const char*>(kpe) == static_cast<const char*>(ckv) + 512;
+  const bool bulk = tma && one_tensor;
   if (fp8 && narrow && p.rows <= 32) {
     // Bulk copies of whole rows in one page, so pages of 64 tokens and more: a copy a page below that measured
     // 0.97-1.08x its token rows at page 16 (16-32 rows, an H100) and made ptxas spill. Two fp16 stages only with
@@ -643,9 +644,7 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
       // Pages of 16 and 32 tokens, one-tensor cache: a copying warp's 16 rows (one page's) by TMA boxes (16-byte
       // aligned base and strides). Below 16 tokens a page, a warp's rows whose pages are consecutive would come the
       // same way, but telling them by a vote cost page 1's shuffled pools 1.04-1.11x (an H200): token rows there.
-      p.runs = runs && page >= 16 && page < fim::sm90_mla::kTile && p.ckv_t == 576 && p.kpe_t == 576 &&
-               p.kpe_p == p.ckv_p && p.ckv_p % 16 == 0 && reinterpret_cast<uintptr_t>(ckv) % 16 == 0 &&
-               static_cast<const char*>(kpe) == static_cast<const char*>(ckv) + 512 &&
+      p.runs = runs && page >= 16 && page < fim::sm90_mla::kTile && one_tensor &&
                fim::sm90_mla::encode_fp8_tiles(&p.map_ckv, ckv, page, num_pages, p.ckv_p, true);
       return fim::sm90_mla::launch_narrow_rs(p, programs, stream);
     }
@@ -654,10 +653,8 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
   const int row_blocks = (p.rows + fim::sm90_mla::kRows - 1) / fim::sm90_mla::kRows;
   using fim::sm90_mla::launch;
   // FP8 run tiles as one bulk copy: a tile's 64 rows of consecutive pages lie contiguous where the one-tensor cache's
-  // pages are adjacent (and 16-byte aligned, as bulk copies need).
-  p.runs = fp8 && runs && page < fim::sm90_mla::kTile && p.ckv_t == 576 && p.kpe_t == 576 && p.kpe_p == p.ckv_p &&
-           p.ckv_p == 576LL * page && reinterpret_cast<uintptr_t>(ckv) % 16 == 0 &&
-           static_cast<const char*>(kpe) == static_cast<const char*>(ckv) + 512;
+  // pages are adjacent.
+  p.runs = fp8 && runs && page < fim::sm90_mla::kTile && one_tensor && p.ckv_p == 576LL * page;
   if (fp8 && p.rows > fim::sm90_mla::kWsMinRows) {
     p.tma = bulk;
     // Pages below 64 tokens: a bulk copy per page, in their own instance (the per-page loop, compiled into the

@@ -186,6 +186,14 @@ __device__ __forceinline__ void copy_rows_swizzled(const Params& p, uint32_t dst
   }
 }
 
+// The five boxes of p.map_ckv (a box's rows: 64, or 16 for the 16-row map) into the swizzled image at `dst`, one per
+// 128-byte column block (the fifth at kRopeCol: the rope in its upper half), from token `in_page` of page `pg`.
+__device__ __forceinline__ void tile_boxes(const Params& p, uint32_t dst, uint64_t* bar, int in_page, int pg) {
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) tile_box(dst + kb * kBlock, &p.map_ckv, bar, kb * 128, in_page, pg, true);
+  tile_box(dst + 4 * kBlock, &p.map_ckv, bar, kRopeCol, in_page, pg, true);
+}
+
 // A partial tile's latent rows from `valid` on cleared by the output warpgroup before it reads them (the page holds
 // anything there, NaN included, and P^T's zeros times NaN are not 0), so that the fragments of full tiles, nearly all
 // of them, take no masks. The scoring warpgroup may still be reading these rows: their scores are discarded.
@@ -570,9 +578,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
           const int pg = bt_row[t0 >> p.page_shift], in_page = t0 & ((1 << p.page_shift) - 1);
           if (g >= kStages) bar_wait(&empty[s], ((g - kStages) / kStages) & 1);
           sm90_wgmma::bar_expect_tx(&full[s], kTileBytes);
-#pragma unroll
-          for (int kb = 0; kb < 4; ++kb) tile_box(dst + kb * kBlock, &p.map_ckv, &full[s], kb * 128, in_page, pg, true);
-          tile_box(dst + 4 * kBlock, &p.map_ckv, &full[s], kRopeCol, in_page, pg, true);
+          tile_boxes(p, dst, &full[s], in_page, pg);
           continue;
         }
         // Pages of 16 and 32 tokens (p.runs): a warp's 16 rows lie in one page, whose entry its lane 0 holds.
@@ -584,14 +590,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
         if (boxes) {
           // `full` counts the 128 arrivals of token rows: this warp's lane 0 carries its rows' bytes.
           if (lane == 0) {
-            const uint32_t rows_dst = dst + warp * 16 * 128;
             const int in_page = tok & ((1 << p.page_shift) - 1);
             sm90_wgmma::bar_expect_tx(&full[s], 5 * 16 * 128);
-#pragma unroll
-            for (int kb = 0; kb < 4; ++kb) {
-              tile_box(rows_dst + kb * kBlock, &p.map_ckv, &full[s], kb * 128, in_page, pg, true);
-            }
-            tile_box(rows_dst + 4 * kBlock, &p.map_ckv, &full[s], kRopeCol, in_page, pg, true);
+            tile_boxes(p, dst + warp * 16 * 128, &full[s], in_page, pg);
           } else {
             sm90_wgmma::bar_arrive(&full[s]);
           }
