@@ -9,7 +9,7 @@ from flashinfer_moe._ops import check_launch, kernel_library
 from flashinfer_moe.jit import KernelSpec, register
 
 # sm_70: system-scope acquire/release (ld.acquire.sys, st.release.sys) and __nanosleep.
-SPEC = register(KernelSpec("comm", ("comm/workspace.cu", "comm/a2a.cu"), min_arch="70"))
+SPEC = register(KernelSpec("comm", ("comm/workspace.cu", "comm/a2a.cu", "comm/collective.cu"), min_arch="70"))
 
 _vp, _int, _i64, _u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
 _pvp, _pi64, _pu64 = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_i64), ctypes.POINTER(_u64)
@@ -35,6 +35,46 @@ class Params(ctypes.Structure):
         ("top_k", _int),
         ("num_experts", _int),
         ("experts_per_rank", _int),
+    ]
+
+
+MAX_RANKS = 64  # fim::coll::kMaxRanks
+
+
+class RowFormat(ctypes.Structure):
+    """Mirror of ``fim::coll::Format`` in csrc/comm/collective.cu."""
+
+    _fields_ = [
+        ("row_bytes", _i64),
+        ("hidden_bytes", _i64),
+        ("ids_at", _i64),
+        ("weights_at", _i64),
+        ("scales_at", _i64),
+        ("scale_bytes", _i64),
+        ("top_k", _int),
+    ]
+
+
+class PackParams(ctypes.Structure):
+    """Mirror of ``fim::coll::PackParams`` in csrc/comm/collective.cu."""
+
+    _fields_ = [
+        ("f", RowFormat),
+        ("hidden", _vp),
+        ("ids", _vp),
+        ("weights", _vp),
+        ("scales", _vp),
+        ("send", _vp),
+        ("slot", _vp),
+        ("counts", _vp),
+        ("offsets", _i64 * MAX_RANKS),
+        ("num_tokens", _int),
+        ("world", _int),
+        ("num_experts", _int),
+        ("experts_per_rank", _int),
+        ("ids_64", _int),
+        ("pad_to", _int),
+        ("count_only", _int),
     ]
 
 
@@ -65,6 +105,12 @@ _SIGNATURES = {
     "fim_a2a_combine_send": ([_P, _vp, _i64, _vp, _vp, _i64, _int, _int, _vp], _int),
     "fim_a2a_combine_recv": ([_P, _int, _vp, _int, _int, _int, _vp, _int, _vp], _int),
     "fim_a2a_handshake": ([_P, _u64, _int, _vp, _vp], _int),
+    "fim_coll_pack": ([ctypes.POINTER(PackParams), _int, _vp], _int),
+    "fim_coll_unpack": (
+        [ctypes.POINTER(RowFormat), _vp, _i64, _int, _int, _vp, _vp, _vp, _vp, _vp, _int, _vp],
+        _int,
+    ),
+    "fim_coll_combine": ([_int, _vp, _vp, _pi64, _int, _int, _int, _vp, _int, _vp], _int),
 }
 
 HANDLE_BYTES = 64  # cudaIpcMemHandle_t and CUmemFabricHandle alike

@@ -6,7 +6,8 @@ token once to every rank that holds one of its experts; combine brings back, for
 those ranks of the row each computed for it.
 
 Dispatch exchanges the per-destination row counts first, then one packed payload (hidden row, ids,
-weights, scales as bytes). Every wait is bounded: a step whose peers do not arrive within
+weights, scales as bytes). On GPUs the packing, the unpacking and combine's sum are one kernel launch each
+(:mod:`~flashinfer_moe.comm.collective_rows`), so an eager call is a few launches around its collectives. Every wait is bounded: a step whose peers do not arrive within
 ``timeout_s`` raises :class:`~flashinfer_moe.CommTimeoutError` naming the ranks that never reached it (read from
 the process group's store where it is reachable), instead of hanging.
 
@@ -29,6 +30,8 @@ from flashinfer_moe.errors import CommTimeoutError
 from flashinfer_moe.layout import ExpertLayout
 from flashinfer_moe.moe.layout import moe_align_masked
 from flashinfer_moe.moe.permute import permute
+
+from . import collective_rows as _rows
 
 __all__ = ["CollectiveAllToAll", "DispatchHandle", "DispatchOutput", "check_dispatch_inputs"]
 
@@ -75,17 +78,14 @@ def check_dispatch_inputs(comm, hidden_states, topk_ids, topk_weights):
 
 @dataclass(frozen=True, eq=False)
 class DispatchHandle:
-    """What combine needs to send rows back.
-
-    High-throughput: the counts both ways and the source token of each sent row. Low-latency: the slot each
-    token took in each destination's fixed block (counts are fixed: ``max_tokens_per_rank`` each way).
+    """What combine needs to send rows back: the counts both ways (low-latency: ``max_tokens_per_rank`` each way)
+    and the row each token took in each destination's block.
     """
 
     send_counts: tuple[int, ...]  # rows this rank sent to each rank
     recv_counts: tuple[int, ...]  # rows this rank received from each rank
-    send_token: torch.Tensor | None  # [S] int64, the local token of each sent row, grouped by destination
     num_tokens: int
-    slot: torch.Tensor | None = None  # [T, W] int64 (low-latency): the token's slot in rank d's block, or -1
+    slot: torch.Tensor | None = None  # [T, W]: the token's row in rank d's block, or -1
 
 
 @dataclass(frozen=True, eq=False)
@@ -287,78 +287,34 @@ class CollectiveAllToAll:
         """
         h, ids, w, scales = self._check_dispatch(hidden_states, topk_ids, topk_weights, scales)
         self._arrive()
-        device, world, per_rank = h.device, self.world_size, self.experts_per_rank
-        dest = torch.where((ids >= 0) & (ids < self.num_experts), ids.long() // per_rank, world)  # [T, k]
-        goes = torch.zeros(h.shape[0], world + 1, dtype=torch.bool, device=device)
-        goes.scatter_(1, dest, True)
-        goes = goes[:, :world]  # [T, W]: does token t go to rank d
-        if self.mode == "low_latency":
-            return self._dispatch_low_latency(h, ids, w, scales, goes)
-        rank_of_row, send_token = goes.t().nonzero(as_tuple=True)  # grouped by rank, tokens ascending
-        send_counts = torch.bincount(rank_of_row, minlength=world)  # [W]
-        recv_counts = torch.empty_like(send_counts)
-        self._all_to_all(recv_counts, send_counts, None, None, "dispatch counts")
-        send_list, recv_list = send_counts.tolist(), recv_counts.tolist()  # one host sync for the split sizes
-
-        # Rows move as bytes: one payload collective, and any dtype (FP8 included) on any backend.
-        parts = [h.contiguous(), ids.to(torch.int32), w.contiguous()] + (
-            [scales.contiguous()] if scales is not None else []
+        world, per_rank, m = self.world_size, self.experts_per_rank, self.max_tokens_per_rank
+        fmt = _rows.Format(h.shape[1] * h.element_size(), self.top_k, 4 * scales.shape[1] if scales is not None else 0)
+        group = dict(world=world, num_experts=self.num_experts, per_rank=per_rank)
+        if self.mode == "low_latency":  # a fixed block of M rows each way: nothing waits for the host
+            send_counts = recv_counts = (m,) * world
+            offsets = [d * m for d in range(world)]
+            send, slot = _rows.pack(fmt, h, ids, w, scales, **group, offsets=offsets, rows=world * m, pad_to=m)
+            received = torch.empty(world * m, fmt.row_bytes, dtype=torch.uint8, device=h.device)
+            self._all_to_all(received, send, None, None, "dispatch payload")
+        else:
+            counts = _rows.count(fmt, h, ids, w, scales, **group)
+            recv = torch.empty_like(counts)
+            self._all_to_all(recv, counts, None, None, "dispatch counts")
+            send_counts, recv_counts = tuple(counts.tolist()), tuple(recv.tolist())  # one host sync for the splits
+            offsets = [sum(send_counts[:d]) for d in range(world)]
+            send, slot = _rows.pack(fmt, h, ids, w, scales, **group, offsets=offsets, rows=sum(send_counts))
+            received = torch.empty(sum(recv_counts), fmt.row_bytes, dtype=torch.uint8, device=h.device)
+            self._all_to_all(received, send, list(recv_counts), list(send_counts), "dispatch payload")
+        low_latency = self.mode == "low_latency"
+        rows_h, local_ids, rows_w, rows_s, counts = _rows.unpack(
+            fmt, received, h.dtype, first=self.rank * per_rank, per_rank=per_rank, count_experts=not low_latency
         )
-        parts = [p.view(torch.uint8)[send_token] for p in parts]
-        widths = [p.shape[1] for p in parts]
-        packed = torch.cat(parts, dim=1)  # [S, row bytes]
-        received = torch.empty(sum(recv_list), packed.shape[1], dtype=torch.uint8, device=device)
-        self._all_to_all(received, packed, recv_list, send_list, "dispatch payload")
-
-        rows_h, local_ids, rows_w, rows_s = self._unpack(received, widths, h.dtype)
-        mine = local_ids >= 0
-        counts = torch.bincount(local_ids[mine].long(), minlength=per_rank).to(torch.int32)
-        handle = DispatchHandle(tuple(send_list), tuple(recv_list), send_token, h.shape[0])
-        return DispatchOutput(rows_h, rows_s, local_ids, rows_w, counts, handle)
-
-    @staticmethod
-    def _pack(h, ids, w, scales) -> list[torch.Tensor]:
-        # Rows move as bytes: one payload collective, and any dtype (FP8 included) on any backend.
-        parts = [h.contiguous(), ids.to(torch.int32), w.contiguous()] + (
-            [scales.contiguous()] if scales is not None else []
-        )
-        return [p.view(torch.uint8) for p in parts]
-
-    def _unpack(self, received: torch.Tensor, widths: list[int], dtype: torch.dtype):
-        fields = received.split(widths, dim=1)
-        rows_h = fields[0].contiguous().view(dtype)  # [R, H]
-        rows_ids = fields[1].contiguous().view(torch.int32)  # [R, k], global
-        rows_w = fields[2].contiguous().view(torch.float32)  # [R, k]
-        rows_s = fields[3].contiguous().view(torch.float32) if len(fields) > 3 else None
-        first = self.rank * self.experts_per_rank
-        mine = (rows_ids >= first) & (rows_ids < first + self.experts_per_rank)
-        local_ids = torch.where(mine, rows_ids - first, -1).to(torch.int32)  # [R, k]
-        return rows_h, local_ids, rows_w, rows_s
-
-    def _dispatch_low_latency(self, h, ids, w, scales, goes) -> DispatchOutput:
-        world, m = self.world_size, self.max_tokens_per_rank
-        num_tokens = h.shape[0]
-        # slot[t, d]: token t's position among the tokens going to rank d (ascending t), -1 if none.
-        slot = torch.where(goes, goes.long().cumsum(0) - 1, -1)  # [T, W]
-        parts = self._pack(h, ids, w, scales)
-        widths = [p.shape[1] for p in parts]
-        tokens = torch.cat(parts, dim=1)  # [T, row bytes]
-        # [W * M + 1, row bytes]; the last row takes every (token, rank) pair that is not sent. Unused rows
-        # get ids -1 (0xff bytes) and weights 0, so that receivers see them as padding.
-        send = torch.empty(world * m + 1, tokens.shape[1], dtype=torch.uint8, device=h.device)
-        send[:, widths[0] : widths[0] + widths[1]] = 0xFF
-        send[:, widths[0] + widths[1] : widths[0] + widths[1] + widths[2]] = 0
-        dest_row = torch.where(slot >= 0, torch.arange(world, device=h.device) * m + slot, world * m)  # [T, W]
-        for d in range(world):
-            send.index_put_((dest_row[:, d],), tokens)
-        received = torch.empty(world * m, tokens.shape[1], dtype=torch.uint8, device=h.device)
-        self._all_to_all(received, send[: world * m], None, None, "dispatch payload")
-
-        rows_h, local_ids, rows_w, rows_s = self._unpack(received, widths, h.dtype)
-        layout = moe_align_masked(local_ids, self.experts_per_rank, self.capacity, validate=False)
+        handle = DispatchHandle(send_counts, recv_counts, h.shape[0], slot)
+        if not low_latency:
+            return DispatchOutput(rows_h, rows_s, local_ids, rows_w, counts, handle)
+        layout = moe_align_masked(local_ids, per_rank, self.capacity, validate=False)
         expert_h = _permute_any(rows_h, layout)
         expert_s = _permute_any(rows_s, layout) if rows_s is not None else None
-        handle = DispatchHandle((m,) * world, (m,) * world, None, num_tokens, slot)
         return DispatchOutput(
             rows_h, rows_s, local_ids, rows_w, layout.tokens_per_expert, handle, layout, expert_h, expert_s
         )
@@ -379,35 +335,17 @@ class CollectiveAllToAll:
         if tuple(x.shape) != (sum(handle.recv_counts), self.hidden_size):
             raise ValueError(f"x must have shape ({sum(handle.recv_counts)}, {self.hidden_size}), got {tuple(x.shape)}")
         self._arrive()
-        if handle.slot is not None:
-            return self._combine_low_latency(x, handle)
         back = torch.empty(sum(handle.send_counts), self.hidden_size, dtype=x.dtype, device=x.device)
+        split = self.mode != "low_latency"
         self._all_to_all(
             back.view(torch.uint8),
             x.contiguous().view(torch.uint8),
-            list(handle.send_counts),
-            list(handle.recv_counts),
+            list(handle.send_counts) if split else None,
+            list(handle.recv_counts) if split else None,
             "combine",
         )
-        out = torch.zeros(handle.num_tokens, self.hidden_size, dtype=torch.float32, device=x.device)
-        start = 0
-        for count in handle.send_counts:  # one rank's rows at a time: no token twice in an index_add
-            rows = slice(start, start + count)
-            out.index_add_(0, handle.send_token[rows], back[rows].float())
-            start += count
-        return out.to(x.dtype)
-
-    def _combine_low_latency(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        world, m = self.world_size, self.max_tokens_per_rank
-        back = torch.empty(world * m, self.hidden_size, dtype=x.dtype, device=x.device)
-        self._all_to_all(back.view(torch.uint8), x.contiguous().view(torch.uint8), None, None, "combine")
-        back = back.view(world, m, self.hidden_size)
-        out = torch.zeros(handle.num_tokens, self.hidden_size, dtype=torch.float32, device=x.device)
-        for d in range(world):  # ranks ascending, as the high-throughput combine
-            slot = handle.slot[:, d]
-            rows = back[d].index_select(0, slot.clamp(min=0)).float()
-            out += torch.where((slot >= 0).unsqueeze(-1), rows, 0.0)
-        return out.to(x.dtype)
+        offsets = [sum(handle.send_counts[:d]) for d in range(self.world_size)]
+        return _rows.combine_rows(back, handle.slot, offsets)
 
 
 def _permute_any(rows: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:

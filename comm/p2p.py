@@ -265,7 +265,7 @@ class P2PAllToAll:
             check(status, "all-to-all dispatch (receive)")
         if self.mode == "low_latency":
             m = self.max_tokens_per_rank
-            handle = P2PDispatchHandle((m,) * world, (m,) * world, None, num_tokens, send_slot, recv_offsets, recv_rows, self._uid)  # fmt: skip
+            handle = P2PDispatchHandle((m,) * world, (m,) * world, num_tokens, send_slot, recv_offsets, recv_rows, self._uid)  # fmt: skip
             layout = moe_align_masked(out_ids, self.experts_per_rank, self.capacity, validate=False)
             expert_h = _permute_any(out_h, layout)
             expert_s = _permute_any(out_s, layout) if out_s is not None else None
@@ -273,7 +273,6 @@ class P2PAllToAll:
         handle = P2PDispatchHandle(
             tuple(counts[world:]),
             tuple(counts[:world]),
-            None,
             num_tokens,
             send_slot,
             recv_offsets,

@@ -7,7 +7,7 @@ where available, all timed in the same run.
 DeepSeek-V3 shapes: H = 7168, top-8 of 256 experts, uniform random routing. Dispatch sends FP8 rows with their
 per-128 scales; combine returns bf16 rows. 1, 128 and 512 tokens per rank run in low-latency mode, 4096 in
 high-throughput mode. Each time is the median over ranks' medians of CUDA-event timings of eager calls, with
-a barrier before each call (so a call never overlaps the previous one on another rank); the P2P low-latency rows
+a barrier before each call (so a call never overlaps the previous one on another rank); the low-latency rows
 also time dispatch + combine captured in one CUDA graph (how decode runs them), with no host work in the time.
 Those per-call times include the ranks' skew after each barrier; the "back to back" columns time 10 calls after
 one barrier (wall time per call, host work included: what a loop of eager calls costs) and 10 round trips
@@ -162,7 +162,7 @@ def _bench(tokens: int, backend: str, reps: int) -> dict:
     dispatch_steady_us = _steady_us(dispatch, STEADY_CALLS, STEADY_REPS)
     combine_steady_us = _steady_us(combine, STEADY_CALLS, STEADY_REPS)
     graph_us = graph_steady_us = None
-    if comm.backend == "p2p" and mode == "low_latency":  # decode runs in CUDA graphs: no host in the time
+    if mode == "low_latency":  # decode runs in CUDA graphs: no host in the time
 
         def round_trip():
             got = dispatch()
