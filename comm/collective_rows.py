@@ -1,7 +1,7 @@
 """The rows the collective all-to-all moves: how a dispatched token travels (one byte row with its hidden bytes,
 ids, weights and scales), how a rank packs what it sends, unpacks what it received, and sums the rows that
-come back. One CUDA launch each on GPUs (``csrc/comm/collective.cu``); the torch code below on CPUs, which is
-also the reference the GPU tests hold the kernels to.
+come back. One CUDA launch each on GPUs (``csrc/comm/collective.cu``, groups of up to 64 ranks); the torch code
+below on CPUs and larger groups, which is also the reference the GPU tests hold the kernels to.
 
 Dimension legend: ``T`` tokens on this rank, ``k`` top-k, ``H`` hidden size, ``W`` ranks, ``R`` rows received.
 """
@@ -67,8 +67,9 @@ def destinations(ids: torch.Tensor, num_experts: int, experts_per_rank: int, wor
     return goes[:, :world]
 
 
-def _use_kernels(t: torch.Tensor) -> bool:
-    return t.is_cuda
+def _use_kernels(t: torch.Tensor, world: int) -> bool:
+    # The kernels take the ranks' first rows by value (at most MAX_RANKS); larger groups run the torch code.
+    return t.is_cuda and world <= MAX_RANKS
 
 
 def _pack_params(fmt, h, ids, w, scales, world, num_experts, per_rank) -> PackParams:
@@ -95,7 +96,7 @@ def _grid(n: int, device) -> int:
 
 def count(fmt: Format, h, ids, w, scales, world: int, num_experts: int, per_rank: int) -> torch.Tensor:
     """`[W]` int64: how many of this rank's tokens go to each rank."""
-    if not _use_kernels(h):
+    if not _use_kernels(h, world):
         return destinations(ids, num_experts, per_rank, world).sum(0)
     counts = torch.empty(world, dtype=torch.int32, device=h.device)
     p = _pack_params(fmt, h, ids, w, scales, world, num_experts, per_rank)
@@ -125,9 +126,7 @@ def pack(fmt: Format, h, ids, w, scales, *, world: int, num_experts: int, per_ra
     """
     device, num_tokens = h.device, h.shape[0]
     send = torch.empty(rows, fmt.row_bytes, dtype=torch.uint8, device=device)
-    if _use_kernels(h):
-        if world > MAX_RANKS:
-            raise ValueError(f"the collective all-to-all takes at most {MAX_RANKS} ranks, got {world}")
+    if _use_kernels(h, world):
         slot = torch.empty(num_tokens, world, dtype=torch.int64, device=device)
         p = _pack_params(fmt, h, ids, w, scales, world, num_experts, per_rank)
         p.send, p.slot, p.pad_to = send.data_ptr(), slot.data_ptr(), pad_to
@@ -168,7 +167,7 @@ def unpack(fmt: Format, received: torch.Tensor, dtype: torch.dtype, *, first: in
     """
     rows, device = received.shape[0], received.device
     k, elem = fmt.top_k, torch.empty(0, dtype=dtype).element_size()
-    if _use_kernels(received):
+    if _use_kernels(received, 1):
         hidden = torch.empty(rows, fmt.hidden_bytes // elem, dtype=dtype, device=device)
         local = torch.empty(rows, k, dtype=torch.int32, device=device)
         weights = torch.empty(rows, k, dtype=torch.float32, device=device)
@@ -211,7 +210,7 @@ def combine_rows(back: torch.Tensor, slot: torch.Tensor, offsets: list[int]) -> 
     """
     num_tokens, world = slot.shape
     hidden = back.shape[1]
-    if _use_kernels(back) and back.dtype in _COMBINE_DTYPES:
+    if _use_kernels(back, world) and back.dtype in _COMBINE_DTYPES:
         out = torch.empty(num_tokens, hidden, dtype=back.dtype, device=back.device)
         host = (ctypes.c_int64 * max(1, world))(*offsets)
         with on_device(back):

@@ -62,7 +62,7 @@ def test_kernels_equal_torch_path(monkeypatch, mode, world, tokens, hidden, dtyp
     back_dtype = dtype if dtype in (torch.float32, torch.float16) else torch.bfloat16  # what combine moves
     both = {}
     for kernels in (True, False):
-        monkeypatch.setattr(R, "_use_kernels", lambda t, k=kernels: k)
+        monkeypatch.setattr(R, "_use_kernels", lambda t, world, k=kernels: k)
         packed = []
         for h, ids, w, s in inputs:
             counts = R.count(fmt, h, ids, w, s, **group).tolist()
@@ -167,3 +167,21 @@ def test_collective_path_one_rank_nccl(mode, fp8):
     """The whole collective path (NCCL, one rank) with its kernels: every sent token comes back as itself."""
     seed = int.from_bytes(os.urandom(4), "little")
     assert run_ranks(_one_rank, 1, seed, mode, fp8, backend="nccl") == [True]
+
+
+def test_groups_past_the_kernels_take_the_torch_code():
+    """More ranks than the kernels take (their first rows go by value): the torch code, same rows."""
+    world, per_rank, tokens, top_k = R.MAX_RANKS + 2, 2, 9, 4
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    ids = torch.rand(tokens, world * per_rank, generator=g).argsort(-1)[:, :top_k].int().cuda()
+    h = torch.randn(tokens, 32, generator=g).bfloat16().cuda()
+    w = torch.rand(tokens, top_k, generator=g).cuda()
+    fmt = R.Format(64, top_k, 0)
+    group = dict(world=world, num_experts=world * per_rank, per_rank=per_rank)
+    counts = R.count(fmt, h, ids, w, None, **group)
+    offsets = [int(x) for x in counts.cumsum(0) - counts]
+    send, slot = R.pack(fmt, h, ids, w, None, **group, offsets=offsets, rows=int(counts.sum()))
+    goes = R.destinations(ids, world * per_rank, per_rank, world)
+    assert torch.equal(slot, torch.where(goes, goes.long().cumsum(0) - 1, -1))
+    for t, d in goes.nonzero().tolist():
+        assert torch.equal(send[offsets[d] + slot[t, d], :64], h[t].view(torch.uint8))
