@@ -351,13 +351,10 @@ class MoEAllToAll:
         return self._impl.combine(x, handle)
 
     def check(self) -> None:
-        """Waits for the current stream and raises the timeout a call recorded: P2P low-latency calls and
-        combines, and the collective path's low-latency calls on GPUs, report theirs only here or at the next
-        call."""
+        """Waits for the current stream and raises the error a P2P kernel recorded (low-latency calls and
+        combines report a timeout only here or at the next call). Nothing to do on the collective path."""
         if self.backend == "p2p":
             self._impl.check(synchronize=True)
-        else:
-            self._impl.check()
 
     def recover(self) -> None:
         """After a :class:`~flashinfer_moe.CommTimeoutError` on the P2P path: every rank calls this (collective),

@@ -32,7 +32,6 @@ from flashinfer_moe.moe.layout import moe_align_masked
 from flashinfer_moe.moe.permute import permute
 
 from . import collective_rows as _rows
-from .watchdog import Watchdog
 
 __all__ = ["CollectiveAllToAll", "DispatchHandle", "DispatchOutput", "check_dispatch_inputs"]
 
@@ -184,8 +183,6 @@ class CollectiveAllToAll:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.epoch = 0
         self._aborted: str | None = None
-        self._watchdog: Watchdog | None = None  # low-latency collectives on GPUs, watched off the calling thread
-        self._late: CommTimeoutError | None = None  # what the watchdog found, raised at the next call
         self._uid = next(_instances)  # the same on every rank when ranks build communicators in the same order
 
     # ------------------------------------------------------------------------------------------ waits
@@ -202,54 +199,25 @@ class CollectiveAllToAll:
         return f"flashinfer_moe/a2a/{self._uid}/rank{global_rank}"
 
     def _arrive(self) -> None:
-        """Starts a call: raises what the watchdog found since the last one, advances the epoch and records it
-        under this rank's one key (overwritten, so the store does not grow), for a peer that times out to see
-        who never came."""
-        if self._late is not None:
-            late, self._late = self._late, None
-            raise late
+        """Starts a call: advances the epoch and records it under this rank's one key (overwritten, so the
+        store does not grow), for a peer that times out to see who never came."""
         self.epoch += 1
         store = None if _capturing() else self._store()
         if store is not None:
             store.set(self._key(self.rank), str(self.epoch))
 
-    def _late_peers(self, epoch: int) -> tuple[int, ...]:
+    def _late_peers(self) -> tuple[int, ...]:
         others = tuple(r for r in range(self.world_size) if r != self.rank)
         store = self._store()
         if store is None:
             return others
         try:
-            late = tuple(r for r in others if not store.check([self._key(r)]) or int(store.get(self._key(r))) < epoch)
+            late = tuple(
+                r for r in others if not store.check([self._key(r)]) or int(store.get(self._key(r))) < self.epoch
+            )
         except Exception:  # the store's host may be gone too: no one can be ruled out
             return others
         return late or others
-
-    def _timeout_message(self, phase: str, epoch: int, peers, detail: str) -> str:
-        return (
-            f"all-to-all {phase} (epoch {epoch}) on rank {self.rank} timed out after {self.timeout_s:g} s; "
-            f"rank(s) {', '.join(map(str, peers))} did not arrive ({detail})"
-        )
-
-    def _timed_out(self, phase: str, epoch: int) -> None:
-        """The watchdog's callback (its thread): a low-latency collective passed its deadline. The error is in
-        place before the abort that lets the stream go on, so that whoever waited on the stream finds it."""
-        peers = self._late_peers(epoch)
-        message = self._timeout_message(phase, epoch, peers, "the collective did not complete")
-        self._late = CommTimeoutError(message, phase=phase, rank=self.rank, peers=peers, epoch=epoch)
-        self._abort(message)
-
-    def check(self) -> None:
-        """Waits for the current stream and raises the timeout of a low-latency call, if one passed its deadline
-        (such calls report it here or at the next call; the stream returns once the watchdog has aborted the
-        communicator). Nothing to wait for on CPUs."""
-        if self._watchdog is not None and self._watchdog.outstanding():
-            torch.cuda.current_stream().synchronize()
-            until = time.monotonic() + self.timeout_s
-            while self._late is None and self._watchdog.outstanding() and time.monotonic() < until:
-                time.sleep(1e-3)
-        if self._late is not None:
-            late, self._late = self._late, None
-            raise late
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, phase: str) -> None:
         if self._aborted is not None:
@@ -262,16 +230,10 @@ class CollectiveAllToAll:
         deadline = time.monotonic() + self.timeout_s
         try:
             if out.is_cuda:
-                # NCCL's wait only orders the current stream (it returns at once); a collective whose peer never
-                # comes spins on the GPU for ever, so its completion is bounded: low-latency calls by the
-                # watchdog (the host goes on), the others polled here against the deadline.
+                # NCCL's wait only orders the current stream (it returns at once); completion is polled
+                # against the deadline, since a collective whose peer never comes spins on the GPU forever.
                 work.wait()
                 if _capturing():
-                    return
-                if self.mode == "low_latency":
-                    if self._watchdog is None:
-                        self._watchdog = Watchdog(self, "_timed_out")
-                    self._watchdog.watch(work, self.timeout_s, phase, self.epoch)
                     return
                 while not work.is_completed():
                     if time.monotonic() > deadline:
@@ -280,8 +242,11 @@ class CollectiveAllToAll:
             else:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
-            peers = self._late_peers(self.epoch)
-            message = self._timeout_message(phase, self.epoch, peers, str(exc))
+            peers = self._late_peers()
+            message = (
+                f"all-to-all {phase} (epoch {self.epoch}) on rank {self.rank} timed out after {self.timeout_s:g} s; "
+                f"rank(s) {', '.join(map(str, peers))} did not arrive ({exc})"
+            )
             if out.is_cuda:
                 self._abort(message)
             raise CommTimeoutError(message, phase=phase, rank=self.rank, peers=peers, epoch=self.epoch) from None
