@@ -73,6 +73,7 @@ def _use_kernels(t: torch.Tensor, world: int) -> bool:
 
 
 def _pack_params(fmt, h, ids, w, scales, world, num_experts, per_rank) -> PackParams:
+    """The kernel's parameters; ``h, ids, w, scales`` contiguous (the kernel reads them as dense rows)."""
     p = PackParams()
     p.f = fmt.c_struct()
     p.hidden = h.data_ptr()
@@ -99,7 +100,7 @@ def count(fmt: Format, h, ids, w, scales, world: int, num_experts: int, per_rank
     if not _use_kernels(h, world):
         return destinations(ids, num_experts, per_rank, world).sum(0)
     counts = torch.empty(world, dtype=torch.int32, device=h.device)
-    p = _pack_params(fmt, h, ids, w, scales, world, num_experts, per_rank)
+    p = _pack_params(fmt, h, ids.contiguous(), w, scales, world, num_experts, per_rank)  # reads only the ids
     p.counts, p.count_only = counts.data_ptr(), 1
     with on_device(h):
         check(comm_lib().fim_coll_pack(ctypes.byref(p), 1, stream_of(h)), "collective all-to-all (count)")
@@ -127,6 +128,8 @@ def pack(fmt: Format, h, ids, w, scales, *, world: int, num_experts: int, per_ra
     device, num_tokens = h.device, h.shape[0]
     send = torch.empty(rows, fmt.row_bytes, dtype=torch.uint8, device=device)
     if _use_kernels(h, world):
+        h, ids, w = h.contiguous(), ids.contiguous(), w.contiguous()
+        scales = scales.contiguous() if scales is not None else None
         slot = torch.empty(num_tokens, world, dtype=torch.int64, device=device)
         p = _pack_params(fmt, h, ids, w, scales, world, num_experts, per_rank)
         p.send, p.slot, p.pad_to = send.data_ptr(), slot.data_ptr(), pad_to
@@ -168,6 +171,7 @@ def unpack(fmt: Format, received: torch.Tensor, dtype: torch.dtype, *, first: in
     rows, device = received.shape[0], received.device
     k, elem = fmt.top_k, torch.empty(0, dtype=dtype).element_size()
     if _use_kernels(received, 1):
+        received = received.contiguous()
         hidden = torch.empty(rows, fmt.hidden_bytes // elem, dtype=dtype, device=device)
         local = torch.empty(rows, k, dtype=torch.int32, device=device)
         weights = torch.empty(rows, k, dtype=torch.float32, device=device)
@@ -211,6 +215,7 @@ def combine_rows(back: torch.Tensor, slot: torch.Tensor, offsets: list[int]) -> 
     num_tokens, world = slot.shape
     hidden = back.shape[1]
     if _use_kernels(back, world) and back.dtype in _COMBINE_DTYPES:
+        back, slot = back.contiguous(), slot.contiguous()
         out = torch.empty(num_tokens, hidden, dtype=back.dtype, device=back.device)
         host = (ctypes.c_int64 * max(1, world))(*offsets)
         with on_device(back):

@@ -24,8 +24,10 @@ def _rank_inputs(g, tokens, hidden, dtype, top_k, groups, ids_dtype):
     ids = torch.where(torch.rand(tokens, top_k, generator=g) < 0.2, -1, ids)  # some pairs nowhere
     ids = torch.where(torch.rand(tokens, top_k, generator=g) < 0.05, NUM_EXPERTS + 3, ids)  # out of range: nowhere
     w = torch.rand(tokens, top_k, generator=g)
-    s = torch.rand(tokens, groups, generator=g) + 0.5 if groups else None
-    return h.cuda(), ids.to(ids_dtype).cuda(), w.cuda(), s.cuda() if s is not None else None
+    s = torch.rand(groups, tokens, generator=g).t() + 0.5 if groups else None  # column-major, as quantize's
+    # Rows of a wider tensor: the kernels must not read inputs as dense rows unless they are.
+    h = torch.cat([h, h[:, :1]], 1).cuda()[:, :hidden] if tokens > 1 else h.cuda()
+    return h, ids.to(ids_dtype).cuda(), w.cuda(), s.cuda() if s is not None else None
 
 
 def _fields(fmt, send, rows):
