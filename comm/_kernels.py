@@ -41,6 +41,11 @@ class Params(ctypes.Structure):
 MAX_RANKS = 64  # fim::coll::kMaxRanks
 
 
+def align16(n: int) -> int:
+    """``n`` rounded up to 16 bytes: where the fields of a workspace record or a collective row start."""
+    return (n + 15) // 16 * 16
+
+
 class RowFormat(ctypes.Structure):
     """Mirror of ``fim::coll::Format`` in csrc/comm/collective.cu."""
 

@@ -290,9 +290,10 @@ class CollectiveAllToAll:
         world, per_rank, m = self.world_size, self.experts_per_rank, self.max_tokens_per_rank
         fmt = _rows.Format(h.shape[1] * h.element_size(), self.top_k, 4 * scales.shape[1] if scales is not None else 0)
         group = dict(world=world, num_experts=self.num_experts, per_rank=per_rank)
-        if self.mode == "low_latency":  # a fixed block of M rows each way: nothing waits for the host
+        low_latency = self.mode == "low_latency"
+        if low_latency:  # a fixed block of M rows each way: nothing waits for the host
             send_counts = recv_counts = (m,) * world
-            offsets = [d * m for d in range(world)]
+            offsets = _rows.starts(send_counts)
             send, slot = _rows.pack(fmt, h, ids, w, scales, **group, offsets=offsets, rows=world * m, pad_to=m)
             received = torch.empty(world * m, fmt.row_bytes, dtype=torch.uint8, device=h.device)
             self._all_to_all(received, send, None, None, "dispatch payload")
@@ -301,11 +302,10 @@ class CollectiveAllToAll:
             recv = torch.empty_like(counts)
             self._all_to_all(recv, counts, None, None, "dispatch counts")
             send_counts, recv_counts = tuple(counts.tolist()), tuple(recv.tolist())  # one host sync for the splits
-            offsets = [sum(send_counts[:d]) for d in range(world)]
+            offsets = _rows.starts(send_counts)
             send, slot = _rows.pack(fmt, h, ids, w, scales, **group, offsets=offsets, rows=sum(send_counts))
             received = torch.empty(sum(recv_counts), fmt.row_bytes, dtype=torch.uint8, device=h.device)
             self._all_to_all(received, send, list(recv_counts), list(send_counts), "dispatch payload")
-        low_latency = self.mode == "low_latency"
         rows_h, local_ids, rows_w, rows_s, counts = _rows.unpack(
             fmt, received, h.dtype, first=self.rank * per_rank, per_rank=per_rank, count_experts=not low_latency
         )
@@ -344,8 +344,7 @@ class CollectiveAllToAll:
             list(handle.recv_counts) if split else None,
             "combine",
         )
-        offsets = [sum(handle.send_counts[:d]) for d in range(self.world_size)]
-        return _rows.combine_rows(back, handle.slot, offsets)
+        return _rows.combine_rows(back, handle.slot, _rows.starts(handle.send_counts))
 
 
 def _permute_any(rows: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from flashinfer_moe._ops import DTYPE_CODES, on_device, stream_of
 
-from ._kernels import MAX_RANKS, PackParams, RowFormat, check, comm_lib
+from ._kernels import MAX_RANKS, PackParams, RowFormat, align16, check, comm_lib
 
 _COMBINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _align16(n: int) -> int:
-    return (n + 15) // 16 * 16
 
 
 @dataclass(frozen=True)
@@ -36,19 +33,19 @@ class Format:
 
     @property
     def ids_at(self) -> int:
-        return _align16(self.hidden_bytes)
+        return align16(self.hidden_bytes)
 
     @property
     def weights_at(self) -> int:
-        return self.ids_at + _align16(4 * self.top_k)
+        return self.ids_at + align16(4 * self.top_k)
 
     @property
     def scales_at(self) -> int:
-        return self.weights_at + _align16(4 * self.top_k)
+        return self.weights_at + align16(4 * self.top_k)
 
     @property
     def row_bytes(self) -> int:
-        return self.scales_at + _align16(self.scale_bytes)
+        return self.scales_at + align16(self.scale_bytes)
 
     def c_struct(self) -> RowFormat:
         return RowFormat(self.row_bytes, self.hidden_bytes, self.ids_at, self.weights_at, self.scales_at,
@@ -57,6 +54,11 @@ class Format:
 
 def _as_bytes(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8).reshape(rows, width)
+
+
+def starts(counts) -> list[int]:
+    """Each block's first row, for blocks of ``counts`` rows laid end to end."""
+    return [0, *itertools.accumulate(counts)][: len(counts)]
 
 
 def destinations(ids: torch.Tensor, num_experts: int, experts_per_rank: int, world: int) -> torch.Tensor:
@@ -90,9 +92,14 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _blocks(device) -> int:
+    """Two blocks a multiprocessor: the most any of these launches takes."""
+    return 2 * _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _grid(n: int, device) -> int:
-    """Blocks for ``n`` units of work: up to two a multiprocessor."""
-    return max(1, min(2 * _sms(device.index if device.index is not None else torch.cuda.current_device()), n))
+    """Blocks for ``n`` units of work."""
+    return max(1, min(_blocks(device), n))
 
 
 def count(fmt: Format, h, ids, w, scales, world: int, num_experts: int, per_rank: int) -> torch.Tensor:
@@ -137,16 +144,15 @@ def pack(fmt: Format, h, ids, w, scales, *, world: int, num_experts: int, per_ra
             p.offsets[d] = o
         # Blocks (d, c) take destination d's rows of the c-th range of tokens: about two blocks a multiprocessor
         # in all, and at least 64 tokens a range (each block counts the tokens before its range again).
-        chunks = max(1, min(-(-num_tokens // 64), -(-_grid(1 << 30, device) // world)))
+        chunks = max(1, min(-(-num_tokens // 64), -(-_blocks(device) // world)))
         with on_device(h):
             check(comm_lib().fim_coll_pack(ctypes.byref(p), chunks, stream_of(h)), "collective all-to-all (pack)")
         return send, slot
     goes = destinations(ids, num_experts, per_rank, world)
     slot = torch.where(goes, goes.long().cumsum(0) - 1, -1)  # [T, W]
     if pad_to:
-        fields = send.view(rows, fmt.row_bytes)
-        fields[:, fmt.ids_at : fmt.ids_at + 4 * fmt.top_k] = 0xFF
-        fields[:, fmt.weights_at : fmt.weights_at + 4 * fmt.top_k] = 0
+        send[:, fmt.ids_at : fmt.ids_at + 4 * fmt.top_k] = 0xFF
+        send[:, fmt.weights_at : fmt.weights_at + 4 * fmt.top_k] = 0
     tokens = torch.zeros(num_tokens, fmt.row_bytes, dtype=torch.uint8, device=device)
     k = fmt.top_k
     tokens[:, : fmt.hidden_bytes] = _as_bytes(h, num_tokens, fmt.hidden_bytes)
@@ -170,7 +176,7 @@ def unpack(fmt: Format, received: torch.Tensor, dtype: torch.dtype, *, first: in
     """
     rows, device = received.shape[0], received.device
     k, elem = fmt.top_k, torch.empty(0, dtype=dtype).element_size()
-    if _use_kernels(received, 1):
+    if _use_kernels(received, 1):  # no per-rank arguments: any group size
         received = received.contiguous()
         hidden = torch.empty(rows, fmt.hidden_bytes // elem, dtype=dtype, device=device)
         local = torch.empty(rows, k, dtype=torch.int32, device=device)

@@ -30,7 +30,7 @@ from flashinfer_moe._ops import DTYPE_CODES, on_device, stream_of
 from flashinfer_moe.errors import CommTimeoutError, FlashInferMoEError
 from flashinfer_moe.moe.layout import moe_align_masked
 
-from ._kernels import Params, check, comm_lib
+from ._kernels import Params, align16, check, comm_lib
 from .collective import DispatchHandle, DispatchOutput, _permute_any
 from .workspace import SymmetricWorkspace
 
@@ -45,10 +45,6 @@ _PHASES = {1: "dispatch", 2: "combine", 3: "handshake"}
 _FORCE = {None: 0, "timeout": 1, "fail": 2}
 _HANDSHAKE = {1: "wrong payload", 2: "TIMEOUT"}
 _instances = itertools.count()
-
-
-def _align16(n: int) -> int:
-    return (n + 15) // 16 * 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,8 +121,8 @@ class P2PAllToAll:
 
         world, m = self.world_size, max_tokens_per_rank
         hidden_bytes = hidden_size * torch.empty((), dtype=dtype).element_size()
-        row_stride = _align16(hidden_bytes) + _align16(4 * scale_groups) + 2 * _align16(4 * top_k)
-        combine_stride = _align16(hidden_size * torch.empty((), dtype=combine_dtype).element_size())
+        row_stride = align16(hidden_bytes) + align16(4 * scale_groups) + 2 * align16(4 * top_k)
+        combine_stride = align16(hidden_size * torch.empty((), dtype=combine_dtype).element_size())
         dispatch_off = _HEADER_BYTES
         combine_off = dispatch_off + 2 * world * m * row_stride
         self.workspace = SymmetricWorkspace(
