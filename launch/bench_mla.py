@@ -130,10 +130,11 @@ def forced_path(path: str):
     tiles by cp.async token rows where it would take them by TMA (``decode_sm90.TMA_MIN_PAGE`` 0); ``tma_all``: by
     TMA at every page size (``TMA_MIN_PAGE`` 1); ``one_stage``: the narrow kernel with one fp16 stage
     (``decode_sm90.NARROW_STAGES`` 1, ``NARROW_RS`` off); ``f16_stages``: the narrow kernel with its fp16 stages
-    instead of the one without images (``NARROW_RS`` off); ``new``: the default."""
+    instead of the one without images (``NARROW_RS`` off); ``pv16``: that kernel's values' product in fp16 at 17-32
+    rows instead of FP8 (``decode_sm90.NARROW_PV8`` off); ``new``: the default."""
     saved, saved_f16, saved_env = D.TMA_CONFIGS, DK.FP8_F16_MATH, os.environ.get(BACKEND_ENV)
     saved_narrow, saved_tma = decode_sm90.NARROW_MAX_ROWS, decode_sm90.TMA_MIN_PAGE
-    saved_stages, saved_rs = decode_sm90.NARROW_STAGES, decode_sm90.NARROW_RS
+    saved_stages, saved_rs, saved_pv8 = decode_sm90.NARROW_STAGES, decode_sm90.NARROW_RS, decode_sm90.NARROW_PV8
     if path in ("old", "triton"):
         os.environ[BACKEND_ENV] = "triton"
     if path == "old":
@@ -146,6 +147,8 @@ def forced_path(path: str):
         decode_sm90.NARROW_STAGES = 1
     if path in ("one_stage", "f16_stages"):
         decode_sm90.NARROW_RS = False
+    if path == "pv16":
+        decode_sm90.NARROW_PV8 = False
     if path in ("cpasync", "tma_all"):
         decode_sm90.TMA_MIN_PAGE = 0 if path == "cpasync" else 1
     try:
@@ -153,7 +156,7 @@ def forced_path(path: str):
     finally:
         D.TMA_CONFIGS, DK.FP8_F16_MATH = saved, saved_f16
         decode_sm90.NARROW_MAX_ROWS, decode_sm90.TMA_MIN_PAGE = saved_narrow, saved_tma
-        decode_sm90.NARROW_STAGES, decode_sm90.NARROW_RS = saved_stages, saved_rs
+        decode_sm90.NARROW_STAGES, decode_sm90.NARROW_RS, decode_sm90.NARROW_PV8 = saved_stages, saved_rs, saved_pv8
         if saved_env is None:
             os.environ.pop(BACKEND_ENV, None)
         else:
@@ -437,7 +440,7 @@ def main() -> int:
         default="new",
         help="triton (Triton kernel), old (Triton, gathered loads), fp8_bf16 (FP8 widened to bf16), wide (FP8 up "
         "to 32 rows on the 64-row CUDA kernel), one_stage / f16_stages (FP8 up to 32 rows on the narrow kernel with "
-        "one / two fp16 stages), new (default); see forced_path",
+        "one / two fp16 stages), pv16 (its values' product in fp16 at 17-32 rows), new (default); see forced_path",
     )
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)

@@ -63,6 +63,7 @@ struct Params {
   float qk_scale;         // sm_scale * log2(e)
   const float* kv_scale;  // FP8 pages: the dequantization factor on the device, or null for kv_scale_value
   float kv_scale_value;
+  int pv8;  // the narrow kernel of up to 32 rows (bf16 queries): P^T in E4M3 and the values' product in FP8
 };
 
 // The kernel for FP8 pages and at most 32 (new token, head) rows (sm90_mla_decode_narrow.cu), with one fp16 stage

@@ -597,8 +597,9 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
                         int max_tokens, int causal, float qk_scale, int fp16, int fp8, const float* kv_scale,
                         float kv_scale_value, int narrow, int64_t num_pages, int tma, int programs,
                         cudaStream_t stream) {
-  // tma: bit 0 the tiles by TMA boxes or bulk copies; bit 1 run tiles (Params::runs) where tiles come as token rows.
-  const bool runs = tma & 2;
+  // tma: bit 0 the tiles by TMA boxes or bulk copies; bit 1 run tiles (Params::runs) where tiles come as token rows;
+  // bit 2 the narrow kernel's values' product in FP8 (Params::pv8).
+  const bool runs = tma & 2, pv8 = tma & 4;
   tma &= 1;
   fim::sm90_mla::Params p{};
   p.qn = qn;
@@ -625,6 +626,7 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
   p.qk_scale = qk_scale;
   p.kv_scale = kv_scale;
   p.kv_scale_value = kv_scale_value;
+  p.pv8 = pv8;
   const int page = 1 << page_shift;
   // The one-tensor cache (pages of whole 576-byte token rows, kpe the last 64 columns of ckv's), 16-byte aligned as
   // bulk copies and TMA need: FP8 pages come by bulk copies there.

@@ -4,6 +4,8 @@
 //   scores^T [64 tokens, 2N] = tile [64, 576] . [Q_hi; Q_lo]^T   FP8 wgmma, both operands in shared memory (16 rows)
 //   scores [2N, 64 tokens]   = [Q_hi; Q_lo] . tile^T              FP8 wgmma, the queries' parts in registers (32 rows)
 //   out^T [512, N]          += tile^T [512, 64] . P^T            fp16 wgmma, A widened from the FP8 bytes in registers
+//                                                                 or (17-32 rows, PV8) FP8 wgmma, P^T in E4M3 and A the
+//                                                                 FP8 bytes as they lie
 // Q_hi and Q_lo are the bf16 queries (times a power of two per row) rounded to E4M3 and the remainder times 16:
 // a bf16 value's 8 significant bits leave a remainder of at most 8 units of its last place, which E4M3 holds
 // exactly, so Q_hi + Q_lo / 16 is the query itself and the scores take the FP8 tensor cores at no cost in accuracy
@@ -29,6 +31,10 @@ constexpr int kRopeCol = 448;                         // the fifth block's first
 constexpr int kBarMax = 6, kBarQ = 8, kBarOut = 10;   // named barriers
 constexpr int kBarTail = 11;                          // within the output warpgroup: a partial tile's tail cleared
 constexpr int kScore = 0, kCopy = 2, kThreads = 384;  // the warpgroups (1: the output)
+// P^T in E4M3 (PV8): the running maxima move where a score passes them by more than 2^kSlackPv8, and P^T is taken
+// times 2^kShiftPv8 (at most 256, inside E4M3's 448), so that its values down to 2^-11 of the maxima keep their three
+// mantissa bits (else most of a long sequence's weight would lie among subnormals and zeros).
+constexpr float kSlackPv8 = 3.f, kShiftPv8 = 5.f;
 
 // Q's FP8 parts [5 blocks][2N rows][128 bytes] (16 rows; at 32 they are the scoring warpgroup's registers), the tile
 // buffers, P^T [kSlots][N rows][64 tokens], the rescale factors [kSlots][N], the maxima exchange [2][4][N] and the sums
@@ -87,6 +93,12 @@ __device__ __forceinline__ bool wg_any(bool v, int id) {
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
   uint32_t r;
   asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t prmt2(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
 }
 
@@ -231,13 +243,34 @@ __device__ __forceinline__ void values_fragments(uint32_t tile, int kk, int warp
   }
 }
 
+// With P^T in E4M3 (PV8, 32 rows): the output warpgroup's FP8 fragments of k step s (tokens 32 s .. 32 s + 31) for
+// its 8 products, as they lie: product mb's 16 rows are warp w's latent chunk 8 (mb >> 1) + 2 w + (mb & 1) (16
+// columns), fragment row g its column 2 g and row g + 8 its column 2 g + 1. ldmatrix.trans of tokens 8 i .. 8 i + 7
+// (matrix i) gives a thread tokens 2 q, 2 q + 1 of a column pair; two such matrices 8 tokens apart fill a register's
+// four bytes, so k positions 4 q .. 4 q + 3 of each 16 are tokens 2 q, 2 q + 1, 2 q + 8, 2 q + 9: the order P^T is
+// written in (score_rows), and no byte crosses a lane.
+__device__ __forceinline__ void values_fragments_fp8(uint32_t tile, int s, int warp, int lane, uint32_t (&fr)[8][4]) {
+  const int tok = 32 * s + 8 * (lane >> 3) + (lane & 7);
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb) {
+    const int c = 2 * warp + (mb & 1);
+    uint32_t r[4];
+    ldsm_x4_trans(tile + (mb >> 1) * kBlock + tok * 128 + ((c ^ (tok & 7)) << 4), r);
+    // r[i]: bytes (token 2q: column 2g, 2g + 1), (token 2q + 1: 2g, 2g + 1) of matrix i.
+    fr[mb][0] = prmt2(r[0], r[1], 0x6420);
+    fr[mb][1] = prmt2(r[0], r[1], 0x7531);
+    fr[mb][2] = prmt2(r[2], r[3], 0x6420);
+    fr[mb][3] = prmt2(r[2], r[3], 0x7531);
+  }
+}
+
 // Query row n's end of a piece, from its running maximum m and sum (log2 units): the output warpgroup's factor
-// (1 / sum, times the cache's scale) in inv, and the LSE (natural log) where the sequence is not split, else the
-// piece's (log2) for the combine.
-__device__ __forceinline__ void finish_row(const Params& p, float* inv, int n, float m, float sum, int ntiles,
-                                           int splits, int b, int64_t slot, float kv_scale) {
+// (1 / norm, the sum of the weights the products took, times the cache's scale) in inv, and the LSE (natural log)
+// where the sequence is not split, else the piece's (log2) for the combine.
+__device__ __forceinline__ void finish_row(const Params& p, float* inv, int n, float m, float sum, float norm,
+                                           int ntiles, int splits, int b, int64_t slot, float kv_scale) {
   const bool any = ntiles > 0 && sum > 0.f;
-  inv[n] = any ? kv_scale / sum : 0.f;
+  inv[n] = any ? kv_scale / norm : 0.f;
   if (n >= p.rows) return;
   const float lse = any ? m + log2f(sum) : -INFINITY;
   if (splits == 1) {
@@ -299,7 +332,7 @@ __device__ __forceinline__ float query_fragments(const Params& p, int b, int n, 
 // row's parts) and the tile as B in shared memory: each tile is read once for all 32 rows, the queries take no shared
 // memory (its room holds a fifth tile), and a query row's 64 scores lie in the four lanes of a quad, so its maxima
 // and sums need no exchange between the warps, and a warp's rows move their maxima together.
-template <class L>
+template <class L, bool PV8>
 __device__ __forceinline__ void score_rows(const Params& p, const Sched& sc, float kv_scale, uint32_t s_raw,
                                            uint32_t s_p, float* s_alpha, float* s_inv, int* s_moved, uint64_t* full,
                                            uint64_t* pfull, uint64_t* pempty, int warp, int lane) {
@@ -315,7 +348,7 @@ __device__ __forceinline__ void score_rows(const Params& p, const Sched& sc, flo
     uint32_t qa[18][4];
     const float fac = query_fragments(p, b, n, q, qa) * p.qk_scale * kv_scale;
     const int vis = n < p.rows ? min(p.causal ? length - p.s_q + 1 + n / p.heads : length, tok_hi) : 0;
-    float m = -INFINITY, l = 0.f;
+    float m = -INFINITY, l = 0.f, lr = 0.f;  // lr: the sum of P^T as rounded to E4M3 (PV8)
     for (int i = 0; i < ntiles; ++i) {
       const uint32_t g = tiles_done + i, s = g % kStages, tile = s_raw + s * kTileBytes;
       bar_wait(&full[s], (g / kStages) & 1);
@@ -355,7 +388,7 @@ __device__ __forceinline__ void score_rows(const Params& p, const Sched& sc, flo
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       // Lazy maxima as in score_cols, decided per warp: P^T stays below 2^kSlack.
-      const bool move = __any_sync(0xffffffffu, mx > m + kSlack);
+      const bool move = __any_sync(0xffffffffu, mx > m + (PV8 ? kSlackPv8 : kSlack));
       const uint32_t pt = s_p + ps * (N * 128);
       if (g >= kSlots) bar_wait(&pempty[ps], pph ^ 1);
       if (move) {
@@ -363,18 +396,39 @@ __device__ __forceinline__ void score_rows(const Params& p, const Sched& sc, flo
         const float alpha = exp2f(m - (mn == -INFINITY ? 0.f : mn));
         m = mn;
         l *= alpha;
+        if constexpr (PV8) lr *= alpha;
         if (q == 0) s_alpha[ps * N + n] = alpha;
       }
       if (lane == 0) s_moved[4 * ps + warp] = move;
-      const float u = m == -INFINITY ? 0.f : m;
+      const float u = (m == -INFINITY ? 0.f : m) - (PV8 ? kShiftPv8 : 0.f);
       const uint32_t row = pt + n * 128, sw = n & 7;
+      if constexpr (PV8) {
+        // P^T [n][64 bytes] in E4M3 (times 2^kShiftPv8), K-major, tokens in the fragments' order
+        // (values_fragments_fp8): bytes 16 h + 4 q .. + 3 are tokens 16 h + 2 q, + 1, + 8, + 9. The output is
+        // divided by the sum of the rounded weights (lr), which the products took, and the LSE takes the exact sum
+        // (l): where the scores are nearly equal their roundings share a sign, which cancels in the ratio but not in
+        // the LSE (0.013 off on the tests' N(0, 1) caches with lr alone).
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float p0 = exp2f(x[2 * j] - u), p1 = exp2f(x[2 * j + 1] - u);
-        l += p0 + p1;
-        // P^T [n][token], K-major for the values' B operand: tokens 8 j + 2 q, + 1 in one word.
-        asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + ((j ^ sw) << 4) + 4 * q), "r"(pack2<true>(p0, p1))
-                     : "memory");
+        for (int h = 0; h < 4; ++h) {
+          const float p0 = exp2f(x[4 * h] - u), p1 = exp2f(x[4 * h + 1] - u);
+          const float p2 = exp2f(x[4 * h + 2] - u), p3 = exp2f(x[4 * h + 3] - u);
+          l += (p0 + p1) + (p2 + p3);
+          const uint32_t a = e4m3x2(p0, p1), c = e4m3x2(p2, p3);
+          const uint32_t ah = e4m3x2_to_f16x2(a), ch = e4m3x2_to_f16x2(c);
+          const float2 af = __half22float2(*reinterpret_cast<const __half2*>(&ah));
+          const float2 cf = __half22float2(*reinterpret_cast<const __half2*>(&ch));
+          lr += (af.x + af.y) + (cf.x + cf.y);
+          asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + ((h ^ sw) << 4) + 4 * q), "r"(a | (c << 16)) : "memory");
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float p0 = exp2f(x[2 * j] - u), p1 = exp2f(x[2 * j + 1] - u);
+          l += p0 + p1;
+          // P^T [n][token], K-major for the values' B operand: tokens 8 j + 2 q, + 1 in one word.
+          asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + ((j ^ sw) << 4) + 4 * q), "r"(pack2<true>(p0, p1))
+                       : "memory");
+        }
       }
       fence_async_smem();  // P^T's stores -> the output warpgroup's wgmma reads
       sm90_wgmma::bar_arrive(&pfull[ps]);
@@ -382,7 +436,14 @@ __device__ __forceinline__ void score_rows(const Params& p, const Sched& sc, flo
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (q == 0) finish_row(p, s_inv + (pieces & 1) * N, n, m, l, ntiles, splits, b, slot, kv_scale);
+    if constexpr (PV8) {
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+    }
+    // (The sums are of P^T times 2^kShiftPv8 with PV8: the LSE's maximum takes the shift.)
+    if (q == 0)
+      finish_row(p, s_inv + (pieces & 1) * N, n, m - (PV8 ? kShiftPv8 : 0.f), l, PV8 ? lr : l, ntiles, splits, b, slot,
+                 kv_scale);
     bar_sync_n(kBarOut, 256);
     tiles_done += ntiles;
     ++pieces;
@@ -500,7 +561,7 @@ __device__ __forceinline__ void score_cols(const Params& p, const Sched& sc, flo
       const int n = narrow_row(c, q);
       const float sum = s_sums[n] + s_sums[N + n] + s_sums[2 * N + n] + s_sums[3 * N + n];
       if (warp == 0 && lane < 4)
-        finish_row(p, s_inv + (pieces & 1) * N, n, m[c], sum, ntiles, splits, b, slot, kv_scale);
+        finish_row(p, s_inv + (pieces & 1) * N, n, m[c], sum, sum, ntiles, splits, b, slot, kv_scale);
     }
     bar_sync_n(kBarOut, 256);
     tiles_done += ntiles;
@@ -511,7 +572,8 @@ __device__ __forceinline__ void score_cols(const Params& p, const Sched& sc, flo
 
 // BOXES: p.runs (pages of 16 and 32 tokens), in its own instance: with the branch compiled in, the token rows'
 // copy loop ran 1.03-1.09x slower at page 1 (an H200), the branch never taken.
-template <int N, bool BOXES>
+// PV8 (32 rows): the values' product in FP8, P^T rounded to E4M3 (NARROW_PV8 in flashinfer_moe/mla/decode_sm90.py).
+template <int N, bool BOXES, bool PV8>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const __grid_constant__ Params p) {
   using T = __nv_bfloat16;
   using L = Layout<N>;
@@ -611,7 +673,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
   if (wg == kScore) {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegsScore));
     if constexpr (N == 32) {
-      score_rows<L>(p, sc, kv_scale, s_raw, s_p, s_alpha, s_inv, s_moved, full, pfull, pempty, warp, lane);
+      score_rows<L, PV8>(p, sc, kv_scale, s_raw, s_p, s_alpha, s_inv, s_moved, full, pfull, pempty, warp, lane);
     } else {
       score_cols<L>(p, sc, kv_scale, s_q, s_raw, s_p, s_alpha, s_red, s_sums, s_inv, s_rinv, s_moved, full, pfull,
                     pempty, warp, lane);
@@ -653,6 +715,25 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
       const int valid = tok_hi - (tok_lo + i * kTile);
       if (valid < kTile) clear_tail(tile, valid, t);
       uint32_t fr[2][8][4];
+      if constexpr (PV8) {
+        values_fragments_fp8(tile, 0, warp, lane, fr[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) mma_values_fp8_rs(o[mb], fr[0][mb], desc_k(pt));
+        wgmma_commit();
+        values_fragments_fp8(tile, 1, warp, lane, fr[1]);
+        sm90_wgmma::bar_arrive(&empty[s]);  // the tile's last reads
+        wgmma_fence();
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) mma_values_fp8_rs(o[mb], fr[1][mb], desc_k(pt + 32));
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) fence_regs(o[mb]);
+        sm90_wgmma::bar_arrive(&pempty[ps]);
+        if (++ps == kSlots) ps = 0, pph ^= 1;
+        continue;
+      }
       values_fragments(tile, 0, warp, lane, fr[0]);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
@@ -671,7 +752,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
     }
 
     // out^T's columns are this thread's query rows; product mb = 2 grp + e holds latent columns 128 grp + 32 w +
-    // 2 g + e (row g) and + 16 (row g + 8).
+    // 2 g + e (row g) and + 16 (row g + 8); with PV8 128 grp + 32 w + 16 e + 2 g (row g) and + 1 (row g + 8).
     bar_sync_n(kBarOut, 256);
     const float* inv = s_inv + (pieces & 1) * N;
     const int col0 = 32 * warp + 2 * (lane >> 2);
@@ -685,17 +766,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
         T* out = static_cast<T*>(p.out) + b * p.o_b + qi * p.o_s + h * p.o_h + col0;
 #pragma unroll
         for (int mb = 0; mb < 8; ++mb) {
-          const int col = 128 * (mb >> 1) + (mb & 1);
+          const int col = 128 * (mb >> 1) + (PV8 ? 16 : 1) * (mb & 1), next = PV8 ? 1 : 16;
           out[col] = static_cast<T>(o[mb][k] * f);
-          out[col + 16] = static_cast<T>(o[mb][k + 2] * f);
+          out[col + next] = static_cast<T>(o[mb][k + 2] * f);
         }
       } else {
         float* out = p.part_out + (slot * p.rows + n) * 512 + col0;
 #pragma unroll
         for (int mb = 0; mb < 8; ++mb) {
-          const int col = 128 * (mb >> 1) + (mb & 1);
+          const int col = 128 * (mb >> 1) + (PV8 ? 16 : 1) * (mb & 1), next = PV8 ? 1 : 16;
           out[col] = o[mb][k] * f;
-          out[col + 16] = o[mb][k + 2] * f;
+          out[col + next] = o[mb][k + 2] * f;
         }
       }
     }
@@ -707,18 +788,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
 
 #else
 
-template <int N, bool BOXES>
+template <int N, bool BOXES, bool PV8>
 __global__ void mla_decode_narrow_rs_kernel(const __grid_constant__ Params p) {}
 
 #endif
 
-template <int N, bool BOXES>
+template <int N, bool BOXES, bool PV8 = false>
 int launch_t(const Params& p, int programs, cudaStream_t stream) {
   constexpr int bytes = Layout<N>::bytes;
   static_assert(bytes <= 227 * 1024, "shared memory");
-  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_narrow_rs_kernel<N, BOXES>>(bytes);
+  cudaError_t err = sm90::opt_in_shared_memory<mla_decode_narrow_rs_kernel<N, BOXES, PV8>>(bytes);
   if (err != cudaSuccess) return static_cast<int>(err);
-  mla_decode_narrow_rs_kernel<N, BOXES><<<dim3(1, programs), kThreads, bytes, stream>>>(p);
+  mla_decode_narrow_rs_kernel<N, BOXES, PV8><<<dim3(1, programs), kThreads, bytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -742,6 +823,8 @@ bool encode_fp8_tiles(CUtensorMap* map, const void* base, int page, int64_t num_
 
 int launch_narrow_rs(const Params& p, int programs, cudaStream_t stream) {
   using narrow_rs::launch_t;
+  if (p.rows > 16 && p.pv8)
+    return p.runs ? launch_t<32, true, true>(p, programs, stream) : launch_t<32, false, true>(p, programs, stream);
   if (p.runs) return p.rows <= 16 ? launch_t<16, true>(p, programs, stream) : launch_t<32, true>(p, programs, stream);
   return p.rows <= 16 ? launch_t<16, false>(p, programs, stream) : launch_t<32, false>(p, programs, stream);
 }

@@ -178,6 +178,18 @@ __device__ __forceinline__ void mma_values_rs(float (&d)[N / 2], const uint32_t 
   }
 }
 
+// The values' product with P^T in E4M3 (NARROW_PV8): FP8 fragments of the tile's latent columns (A, in registers,
+// their k order P^T's) times P^T (B, K-major), m64 x n32 x k32, accumulating.
+__device__ __forceinline__ void mma_values_fp8_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
 #endif
 
 }  // namespace sm90_mla

@@ -65,6 +65,10 @@ NARROW_STAGES = 2
 # docs/perf-notes.md, before its lazy maxima and untransposed 32-row scores); False keeps the fp16 stages (as fp16
 # queries do).
 NARROW_RS = True
+# The same kernel at 17-32 rows with P^T rounded to E4M3 and the values' product on the FP8 tensor cores (the tile's
+# bytes as they lie, no widening, half the products): 1.06-1.18x on an H200 for about 1.4% more relative error
+# (docs/perf.md); taken where FLASHINFER_MOE_MLA_FP8_PV allows it (the default). False keeps the product in fp16.
+NARROW_PV8 = True
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 # Pages of at least this many tokens: the 64-row kernel's bf16/fp16 tiles by TMA (9 boxes a tile at page 64, issued
 # by one warp) instead of cp.async token rows; 0 keeps cp.async. The 64-row kernel takes TMA tiles at any page
@@ -154,7 +158,9 @@ def launch(q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_
         1.0 if kv_scale is None or isinstance(kv_scale, torch.Tensor) else float(kv_scale),
         (3 if NARROW_RS else NARROW_STAGES) if ckv.dtype == FP8 and s_q * heads <= NARROW_MAX_ROWS else 0,
         ckv.shape[0],
-        int(0 < (BULK_MIN_PAGE if ckv.dtype == FP8 else TMA_MIN_PAGE) <= page) | (2 if RUN_TILES else 0),
+        int(0 < (BULK_MIN_PAGE if ckv.dtype == FP8 else TMA_MIN_PAGE) <= page)
+        | (2 if RUN_TILES else 0)
+        | (4 if NARROW_PV8 and envs.mla_fp8_pv() else 0),
         num_programs,
         stream_of(q_nope),
     )
