@@ -84,7 +84,7 @@ def test_rising_maxima(rng, page, heads, s_q, num_sms):
 @pytest.mark.parametrize("heads, s_q", [(32, 1), (16, 2)])
 def test_fp8_cache_accuracy_against_bf16(rng, heads, s_q):
     """As test_mla_decode_gpu.py's test of the same name, with the E4M3 weights: an H200 measured a relative L2
-    error of 4.6% against the bf16 cache's float64 attention, where the same FP8 values in float64 give 4.3-4.4%.
+    error of 4.4-4.6% against the bf16 cache's float64 attention, where the same FP8 values in float64 give 4.2-4.3%.
     Bound: 8%, and within 1.1x of that float64 result plus 0.005."""
     seed, g = rng
     case = make_case(g, [4097, 16384, 700, 65], s_q, heads, 64, torch.bfloat16, torch.bfloat16, device=DEV)

@@ -66,8 +66,8 @@ NARROW_STAGES = 2
 # queries do).
 NARROW_RS = True
 # The same kernel at 17-32 rows with P^T rounded to E4M3 and the values' product on the FP8 tensor cores (the tile's
-# bytes as they lie, no widening, half the products): 1.06-1.18x on an H200 for about 1.4% more relative error
-# (docs/perf.md); taken where FLASHINFER_MOE_MLA_FP8_PV allows it (the default). False keeps the product in fp16.
+# bytes as they lie, no widening, half the products): 1.01-1.16x on an H200, at 0.7-1.4% relative error against
+# exact products (docs/perf.md); taken where FLASHINFER_MOE_MLA_FP8_PV allows it (the default). False keeps fp16.
 NARROW_PV8 = True
 CTAS_PER_SM = 1  # 227 KB of shared memory: Q and two 64-token stages
 # Pages of at least this many tokens: the 64-row kernel's bf16/fp16 tiles by TMA (9 boxes a tile at page 64, issued
