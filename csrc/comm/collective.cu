@@ -12,10 +12,13 @@
 
 #include <cstdint>
 
+#include "comm/copy.cuh"
 #include "common/dtype.cuh"
 
 namespace fim {
 namespace coll {
+
+using comm::warp_copy;
 
 constexpr int kMaxRanks = 64;
 constexpr int kThreads = 256;
@@ -54,18 +57,6 @@ __device__ __forceinline__ bool goes_to(const PackParams& p, int64_t t, int d) {
     any |= e >= 0 && e < p.num_experts && e / p.experts_per_rank == d;
   }
   return any;
-}
-
-// One warp copies n bytes (16-byte vectors where src, dst and n allow; rows and fields always do but for hidden
-// rows of an odd byte count).
-__device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t n, int lane) {
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(n)) & 15) == 0) {
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
-    for (int64_t i = lane; i < n / 16; i += 32) d[i] = s[i];
-  } else {
-    for (int64_t i = lane; i < n; i += 32) dst[i] = src[i];
-  }
 }
 
 __device__ __forceinline__ int block_sum(int v, int* s_warp) {
