@@ -387,7 +387,7 @@ __device__ __forceinline__ void score_rows(const Params& p, const Sched& sc, flo
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // Lazy maxima as in score_cols, decided per warp: P^T stays below 2^kSlack.
+      // Lazy maxima as in score_cols, decided per warp: P^T stays below 2^kSlack (PV8: 2^(kSlackPv8 + kShiftPv8)).
       const bool move = __any_sync(0xffffffffu, mx > m + (PV8 ? kSlackPv8 : kSlack));
       const uint32_t pt = s_p + ps * (N * 128);
       if (g >= kSlots) bar_wait(&pempty[ps], pph ^ 1);
