@@ -595,12 +595,11 @@ int fim_sm90_mla_decode(const void* qn, const void* qp, const void* ckv, const v
                         const int32_t* seq_lens, const int32_t* sched, float* part_out, float* part_lse, void* out,
                         float* lse, const int64_t* strides, int batch, int s_q, int heads, int page_shift,
                         int max_tokens, int causal, float qk_scale, int fp16, int fp8, const float* kv_scale,
-                        float kv_scale_value, int narrow, int64_t num_pages, int tma, int programs,
+                        float kv_scale_value, int narrow, int64_t num_pages, int flags, int programs,
                         cudaStream_t stream) {
-  // tma: bit 0 the tiles by TMA boxes or bulk copies; bit 1 run tiles (Params::runs) where tiles come as token rows;
-  // bit 2 the narrow kernel's values' product in FP8 (Params::pv8).
-  const bool runs = tma & 2, pv8 = tma & 4;
-  tma &= 1;
+  // flags: bit 0 the tiles by TMA boxes or bulk copies; bit 1 run tiles (Params::runs) where tiles come as token
+  // rows; bit 2 the narrow kernel's values' product in FP8 (Params::pv8).
+  const bool tma = flags & 1, runs = flags & 2, pv8 = flags & 4;
   fim::sm90_mla::Params p{};
   p.qn = qn;
   p.qp = qp;

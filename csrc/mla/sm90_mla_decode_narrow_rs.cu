@@ -728,22 +728,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
         for (int mb = 0; mb < 8; ++mb) mma_values_fp8_rs(o[mb], fr[1][mb], desc_k(pt + 32));
         wgmma_commit();
         wgmma_wait<0>();
+      } else {
+        values_fragments(tile, 0, warp, lane, fr[0]);
 #pragma unroll
-        for (int mb = 0; mb < 8; ++mb) fence_regs(o[mb]);
-        sm90_wgmma::bar_arrive(&pempty[ps]);
-        if (++ps == kSlots) ps = 0, pph ^= 1;
-        continue;
-      }
-      values_fragments(tile, 0, warp, lane, fr[0]);
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        wgmma_fence();
-#pragma unroll
-        for (int mb = 0; mb < 8; ++mb) mma_values_rs<N>(o[mb], fr[kk & 1][mb], desc_k(pt + kk * 32));
-        wgmma_commit();
-        if (kk < 3) values_fragments(tile, kk + 1, warp, lane, fr[(kk + 1) & 1]);
-        if (kk == 2) sm90_wgmma::bar_arrive(&empty[s]);  // the tile's last reads (the products take registers)
-        wgmma_wait<0>();
+          for (int mb = 0; mb < 8; ++mb) mma_values_rs<N>(o[mb], fr[kk & 1][mb], desc_k(pt + kk * 32));
+          wgmma_commit();
+          if (kk < 3) values_fragments(tile, kk + 1, warp, lane, fr[(kk + 1) & 1]);
+          if (kk == 2) sm90_wgmma::bar_arrive(&empty[s]);  // the tile's last reads (the products take registers)
+          wgmma_wait<0>();
+        }
       }
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb) fence_regs(o[mb]);
@@ -756,6 +752,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
     bar_sync_n(kBarOut, 256);
     const float* inv = s_inv + (pieces & 1) * N;
     const int col0 = 32 * warp + 2 * (lane >> 2);
+    constexpr int kOdd = PV8 ? 16 : 1, kNext = PV8 ? 1 : 16;  // product 2 grp + 1's first column, row g + 8's offset
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int n = narrow_row(c, q), k = 4 * (c >> 1) + (c & 1);
@@ -766,17 +763,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_narrow_rs_kernel(const
         T* out = static_cast<T*>(p.out) + b * p.o_b + qi * p.o_s + h * p.o_h + col0;
 #pragma unroll
         for (int mb = 0; mb < 8; ++mb) {
-          const int col = 128 * (mb >> 1) + (PV8 ? 16 : 1) * (mb & 1), next = PV8 ? 1 : 16;
+          const int col = 128 * (mb >> 1) + kOdd * (mb & 1);
           out[col] = static_cast<T>(o[mb][k] * f);
-          out[col + next] = static_cast<T>(o[mb][k + 2] * f);
+          out[col + kNext] = static_cast<T>(o[mb][k + 2] * f);
         }
       } else {
         float* out = p.part_out + (slot * p.rows + n) * 512 + col0;
 #pragma unroll
         for (int mb = 0; mb < 8; ++mb) {
-          const int col = 128 * (mb >> 1) + (PV8 ? 16 : 1) * (mb & 1), next = PV8 ? 1 : 16;
+          const int col = 128 * (mb >> 1) + kOdd * (mb & 1);
           out[col] = o[mb][k] * f;
-          out[col + next] = o[mb][k + 2] * f;
+          out[col + kNext] = o[mb][k + 2] * f;
         }
       }
     }

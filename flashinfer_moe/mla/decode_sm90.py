@@ -160,7 +160,7 @@ def launch(q_nope, q_pe, ckv, kpe, block_table, seq_lens, sched, part_out, part_
         ckv.shape[0],
         int(0 < (BULK_MIN_PAGE if ckv.dtype == FP8 else TMA_MIN_PAGE) <= page)
         | (2 if RUN_TILES else 0)
-        | (4 if NARROW_PV8 and envs.mla_fp8_pv() else 0),
+        | (4 if ckv.dtype == FP8 and NARROW_PV8 and envs.mla_fp8_pv() else 0),
         num_programs,
         stream_of(q_nope),
     )
